@@ -1,0 +1,28 @@
+# `make demo` and `make test` each set everything up on a fresh machine, then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch from this machine's disk; never a CUDA wheel on a CPU machine.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tandem run -p "The three most useful things to know about the ocean are" -n 64 --temp 0
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts bench
+	$(PY) -m pytest -q -m "not gpu"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

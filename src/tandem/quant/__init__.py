@@ -1,0 +1,1 @@
+"""GGUF quant formats: dequantization (torch) and products on quantized blocks (ggml CPU kernels)."""

@@ -1,0 +1,36 @@
+"""The ggml types tandem reads, with their block geometry."""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+
+from tandem.errors import UnsupportedModelError
+
+SUPPORTED_TYPES: frozenset[Q] = frozenset(
+    {
+        Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
+    }
+)  # fmt: skip
+
+
+def block_geometry(qtype: Q) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a ggml type."""
+    return GGML_QUANT_SIZES[qtype]
+
+
+def row_bytes(qtype: Q, n_cols: int) -> int:
+    """Bytes of one row of `n_cols` elements stored as `qtype`."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return n_cols // block * size
+
+
+def check_supported(qtype: Q, tensor_name: str) -> None:
+    """Raise a one-line UnsupportedModelError when tandem cannot compute with `qtype`."""
+    if qtype not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise UnsupportedModelError(
+            f"tensor '{tensor_name}' uses quant type {qtype.name}, which tandem does not support "
+            f"(supported: {names})"
+        )
