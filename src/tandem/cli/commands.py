@@ -1,0 +1,186 @@
+"""What each `tandem` subcommand does; argument parsing lives in cli/main.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from tandem.api import LLM, default_model_path
+from tandem.errors import TandemError
+from tandem.gguf import open_gguf
+from tandem.models import read_config
+
+
+def _load(args: argparse.Namespace) -> LLM:
+    return LLM(
+        args.model,
+        device=args.device,
+        n_ctx=args.ctx_size,
+        threads=args.threads,
+        cache_type=args.cache_type,
+        n_batch=args.batch_size,
+    )
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "temperature": args.temp,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def _write_stream(pieces: object) -> None:
+    for piece in pieces:  # type: ignore[attr-defined]
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.n_predict < 0:
+        raise TandemError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
+    llm = _load(args)
+    try:
+        if args.chat:
+            messages = []
+            if args.system_prompt:
+                messages.append({"role": "system", "content": args.system_prompt})
+            messages.append({"role": "user", "content": args.prompt})
+            pieces = llm.chat(messages, max_tokens=args.n_predict, stream=True, **_sampling(args))
+        else:
+            pieces = llm.generate(args.prompt, max_tokens=args.n_predict, stream=True, **_sampling(args))
+            sys.stdout.write(args.prompt)
+        _write_stream(pieces)
+    finally:
+        llm.close()
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    llm.apply_chat_template([{"role": "user", "content": "hi"}])  # fail before the first prompt
+    messages: list[dict[str, str]] = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    print("tandem chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply: list[str] = []
+            for piece in llm.chat(messages, max_tokens=args.n_predict, stream=True, **_sampling(args)):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    finally:
+        llm.close()
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    f = open_gguf(args.model or default_model_path())
+    cfg = read_config(f)
+    mix: Counter[str] = Counter()
+    mix_bytes: Counter[str] = Counter()
+    for t in f.tensors.values():
+        mix[t.qtype.name] += 1
+        mix_bytes[t.qtype.name] += t.n_bytes
+    summary = {
+        "path": str(f.path),
+        "architecture": f.arch,
+        "name": f.get("general.name"),
+        "file_bytes": f.file_size,
+        "n_tensors": len(f.tensors),
+        "n_params": sum(t.n_elements for t in f.tensors.values()),
+        "n_layers": cfg.n_layers,
+        "hidden": cfg.hidden,
+        "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "n_vocab": cfg.n_vocab,
+        "context_length": cfg.context_length,
+        "experts": None if cfg.moe is None else {"count": cfg.moe.n_experts, "active": cfg.moe.n_active},
+        "quant_mix": {k: {"tensors": mix[k], "bytes": mix_bytes[k]} for k in sorted(mix)},
+        "tensors": [
+            {"name": t.name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.n_bytes}
+            for t in f.tensors.values()
+        ],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    _print_inspect(summary, show_tensors=args.tensors)
+    return 0
+
+
+def _print_inspect(summary: dict, show_tensors: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(show_header=False, box=None)
+    for key in ("path", "architecture", "name", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim",
+                "n_vocab", "context_length", "experts", "n_tensors"):  # fmt: skip
+        head.add_row(key, str(summary[key]))
+    head.add_row("parameters", f"{summary['n_params'] / 1e6:.1f} M")
+    head.add_row("file size", f"{summary['file_bytes'] / 2**20:.1f} MiB")
+    console.print(head)
+    mix = Table("type", "tensors", "MiB", title="quant mix")
+    for k, v in summary["quant_mix"].items():
+        mix.add_row(k, str(v["tensors"]), f"{v['bytes'] / 2**20:.1f}")
+    console.print(mix)
+    if show_tensors:
+        table = Table("tensor", "type", "shape", "bytes", title="tensors")
+        for t in summary["tensors"]:
+            table.add_row(t["name"], t["type"], "x".join(map(str, t["shape"])), str(t["bytes"]))
+        console.print(table)
+
+
+def convert(args: argparse.Namespace) -> int:
+    from tandem.convert import convert_hf
+
+    out = convert_hf(Path(args.hf_dir), Path(args.outfile), outtype=args.outtype, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from tandem.bench.runner import run_bench
+
+    if args.pp <= 0 or args.tg <= 0 or args.reps <= 0:
+        raise TandemError("--pp, --tg and --reps must be positive")
+    if args.pp + args.tg > args.ctx_size:
+        raise TandemError(f"--pp {args.pp} + --tg {args.tg} exceed the context size {args.ctx_size} (-c)")
+    start = time.perf_counter()
+    llm = _load(args)
+    load_s = time.perf_counter() - start
+    try:
+        result = run_bench(llm, Path(llm.file.path).name, load_s, args.pp, args.tg, args.reps)
+    finally:
+        llm.close()
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(
+            f"{result.model} ({result.arch}) {result.device}, {result.threads} threads\n"
+            f"  prefill pp{result.pp_tokens}: {result.pp_tok_s:9.1f} tok/s\n"
+            f"  decode  tg{result.tg_tokens}: {result.tg_tok_s:9.1f} tok/s\n"
+            f"  load {result.load_s:.2f} s, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB"
+        )
+    return 0

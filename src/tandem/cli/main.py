@@ -1,0 +1,102 @@
+"""`tandem run|chat|inspect|convert|bench`: flags and short names follow llama.cpp where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from tandem.errors import TandemError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M Q4_K_M)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch size (default 512)")
+    p.add_argument("--device", default="cpu", help="where to run: cpu (default)")
+    p.add_argument(
+        "--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"], help="KV cache type (default f16)"
+    )
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1.0 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1.0 = off (default)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back on (default 64)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate from one prompt, streamed to stdout")
+    _add_model_flags(run)
+    _add_sampling_flags(run)
+    run.add_argument("-p", "--prompt", required=True, help="the prompt")
+    run.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("-sys", "--system-prompt", default=None, help="system message (with --chat)")
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (keeps the KV cache between turns)")
+    _add_model_flags(chat)
+    _add_sampling_flags(chat)
+    chat.add_argument("-n", "--n-predict", type=int, default=512, help="max tokens per reply (default 512)")
+    chat.add_argument("-sys", "--system-prompt", default=None, help="system message")
+
+    inspect = sub.add_parser("inspect", help="metadata, sizes, quant mix and the tensor table")
+    inspect.add_argument("-m", "--model", help="GGUF file (default: the bundled model)")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.add_argument("--tensors", action="store_true", help="list every tensor")
+
+    convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint directory to GGUF")
+    convert.add_argument("hf_dir", help="directory with config.json, *.safetensors and the tokenizer")
+    convert.add_argument("-o", "--outfile", required=True, help="output .gguf path")
+    convert.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+
+    bench = sub.add_parser("bench", help="prefill and decode tokens/s and peak memory")
+    _add_model_flags(bench)
+    bench.add_argument("--pp", type=int, default=128, help="prompt tokens to prefill (default 128)")
+    bench.add_argument("--tg", type=int, default=64, help="tokens to generate (default 64)")
+    bench.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported (default 3)")
+    bench.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
+    # Imported lazily so that `tandem --help` and argument errors stay fast.
+    from tandem.cli import commands
+
+    return {
+        "run": commands.run,
+        "chat": commands.chat,
+        "inspect": commands.inspect,
+        "convert": commands.convert,
+        "bench": commands.bench,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _commands()[args.command](args)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shared building blocks: norms, rope, attention, MLPs, MoE routing and experts."""

@@ -1,0 +1,78 @@
+"""Grouped-query attention with a KV cache, optional q/k norms, sliding windows and softcapping.
+
+Shapes: T = new tokens, S = cached positions (including the new ones), H = query heads,
+G = KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.linear import Linear
+from tandem.layers.norm import rms_norm
+from tandem.layers.rope import Rope
+from tandem.runtime.kv_cache import LayerKV
+
+
+@dataclass
+class AttentionShape:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # of queries and keys
+    value_dim: int
+    scale: float  # multiplies q.k
+    sliding_window: int | None  # None: full causal attention
+    softcap: float | None = None
+
+
+@dataclass
+class Attention:
+    shape: AttentionShape
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    rope: Rope
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        s = self.shape
+        t = x.shape[0]
+        q = self.q(x).view(t, s.n_heads, s.head_dim)
+        k = self.k(x).view(t, s.n_kv_heads, s.head_dim)
+        v = self.v(x).view(t, s.n_kv_heads, s.value_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.norm_eps)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, self.norm_eps)
+        q = self.rope.apply(q, positions)
+        k = self.rope.apply(k, positions)
+        keys, values = cache.store(start, k, v)  # [S, G, D]
+        out = attend(q, keys, values, positions, s)  # [T, H, Dv]
+        return self.o(out.reshape(t, s.n_heads * s.value_dim))
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, s: AttentionShape
+) -> torch.Tensor:
+    """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D]."""
+    group = s.n_heads // s.n_kv_heads
+    n_keys = keys.shape[0]
+    qh = q.float().transpose(0, 1)  # [H, T, D]
+    kh = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
+    vh = values.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, Dv]
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * s.scale  # [H, T, S]
+    if s.softcap is not None:
+        scores = torch.tanh(scores / s.softcap) * s.softcap
+    key_pos = torch.arange(n_keys, device=q.device)
+    distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [T, S]
+    allowed = distance >= 0
+    if s.sliding_window is not None:
+        allowed &= distance < s.sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vh).transpose(0, 1).to(q.dtype)  # [T, H, Dv]

@@ -1,0 +1,143 @@
+"""What a decoder-only model is, read from GGUF metadata: one ModelConfig with a LayerSpec per layer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.errors import UnsupportedModelError
+from tandem.gguf import GGUFFile
+from tandem.layers.rope import RopeSpec
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    n_experts: int
+    n_active: int
+    expert_ffn_dim: int
+    renormalize: bool  # renormalise the top-k weights to sum to one
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What differs between the layers of one model."""
+
+    sliding_window: int | None  # None: full attention
+    rope: RopeSpec
+    moe: bool  # routed experts instead of a dense MLP
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_vocab: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    value_dim: int
+    ffn_dim: int
+    context_length: int
+    rms_eps: float
+    activation: str  # "silu" (SwiGLU) or "gelu_tanh" (GEGLU)
+    qk_norm: bool
+    sandwich_norms: bool  # Gemma: extra norms after attention and after the MLP
+    embed_scale: float  # token embeddings are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float  # multiplies q.k
+    final_logit_softcap: float | None
+    attn_logit_softcap: float | None
+    moe: MoESpec | None
+    layers: tuple[LayerSpec, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads != 0:
+            raise UnsupportedModelError(
+                f"{self.arch}: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads"
+            )
+        if any(layer.moe for layer in self.layers) and self.moe is None:
+            raise UnsupportedModelError(f"{self.arch}: MoE layers without expert metadata")
+
+
+@dataclass(frozen=True)
+class CommonHParams:
+    """Hyper-parameters every architecture stores under the same `{arch}.*` keys."""
+
+    n_vocab: int
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    value_dim: int
+    ffn_dim: int
+    context_length: int
+    rms_eps: float
+    rope_base: float
+
+
+def common_hparams(f: GGUFFile) -> CommonHParams:
+    """Read the keys shared by the llama-like architectures (missing required keys -> one-line error)."""
+    hidden = int(f.arch_require("embedding_length"))
+    n_heads = int(f.arch_require("attention.head_count"))
+    head_dim = int(f.arch_get("attention.key_length", hidden // n_heads))
+    n_vocab = f.arch_get("vocab_size")
+    if n_vocab is None:
+        n_vocab = len(f.require("tokenizer.ggml.tokens"))
+    return CommonHParams(
+        n_vocab=int(n_vocab),
+        n_layers=int(f.arch_require("block_count")),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=int(f.arch_get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        value_dim=int(f.arch_get("attention.value_length", head_dim)),
+        ffn_dim=int(f.arch_get("feed_forward_length", 0)),
+        context_length=int(f.arch_get("context_length", 4096)),
+        rms_eps=float(f.arch_require("attention.layer_norm_rms_epsilon")),
+        rope_base=float(f.arch_get("rope.freq_base", 10000.0)),
+    )
+
+
+def moe_spec(f: GGUFFile, renormalize: bool) -> MoESpec:
+    """The routed-expert hyper-parameters (`expert_count`, `expert_used_count`, ...)."""
+    return MoESpec(
+        n_experts=int(f.arch_require("expert_count")),
+        n_active=int(f.arch_require("expert_used_count")),
+        expert_ffn_dim=int(f.arch_require("expert_feed_forward_length")),
+        renormalize=renormalize,
+    )
+
+
+def default_attn_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def sliding_window_layers(f: GGUFFile, n_layers: int, default_pattern: int) -> list[bool]:
+    """Which layers use the sliding window, as llama.cpp decides it.
+
+    `{arch}.attention.sliding_window_pattern` is either a per-layer bool array or a period n
+    (layers with i % n < n - 1 are local); absent, the architecture's default period applies.
+    """
+    pattern = f.arch_get("attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) < n_layers:
+            raise UnsupportedModelError(
+                f"{f.path.name}: sliding_window_pattern has {len(pattern)} entries for {n_layers} layers"
+            )
+        return [bool(p) for p in pattern[:n_layers]]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(n_layers)]
+
+
+def rope_scale(f: GGUFFile) -> float:
+    """Position multiplier from `rope.scaling.*` (linear scaling only; 1.0 when absent)."""
+    kind = f.arch_get("rope.scaling.type")
+    if kind in (None, "none"):
+        return 1.0
+    if kind != "linear":
+        raise UnsupportedModelError(f"{f.path.name}: rope scaling '{kind}' is not supported for {f.arch}")
+    return 1.0 / float(f.arch_get("rope.scaling.factor", 1.0))

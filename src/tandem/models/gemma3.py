@@ -1,0 +1,54 @@
+"""Gemma 3: GEGLU MLP, sandwich norms, q/k norms, scaled embeddings, local (sliding) and global layers.
+
+As in llama.cpp: by default every sixth layer is global; local layers use `rope.freq_base_swa`
+(10000) without scaling, global layers the file's base with its linear scaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tandem.gguf import GGUFFile
+from tandem.layers.rope import RopeSpec
+from tandem.models.config import LayerSpec, ModelConfig, common_hparams, rope_scale, sliding_window_layers
+
+DEFAULT_SLIDING_WINDOW_PATTERN = 6
+
+
+def read_config(f: GGUFFile) -> ModelConfig:
+    hp = common_hparams(f)
+    window = int(f.arch_get("attention.sliding_window", 0))
+    if window > 0:
+        is_local = sliding_window_layers(f, hp.n_layers, DEFAULT_SLIDING_WINDOW_PATTERN)
+    else:
+        is_local = [False] * hp.n_layers
+    global_rope = RopeSpec(base=hp.rope_base, dim=hp.head_dim, scale=rope_scale(f))
+    local_rope = RopeSpec(base=float(f.arch_get("rope.freq_base_swa", 10000.0)), dim=hp.head_dim)
+    layers = tuple(
+        LayerSpec(sliding_window=window if local else None, rope=local_rope if local else global_rope, moe=False)
+        for local in is_local
+    )
+    softcap = f.arch_get("final_logit_softcapping")
+    # Gemma 3 27B scales queries by 1/sqrt(hidden / heads); the others by 1/sqrt(head_dim).
+    query_scale = hp.hidden // hp.n_heads if hp.n_layers == 62 else hp.head_dim
+    return ModelConfig(
+        arch=f.arch,
+        n_vocab=hp.n_vocab,
+        hidden=hp.hidden,
+        n_heads=hp.n_heads,
+        n_kv_heads=hp.n_kv_heads,
+        head_dim=hp.head_dim,
+        value_dim=hp.value_dim,
+        ffn_dim=hp.ffn_dim,
+        context_length=hp.context_length,
+        rms_eps=hp.rms_eps,
+        activation="gelu_tanh",
+        qk_norm=True,
+        sandwich_norms=True,
+        embed_scale=math.sqrt(hp.hidden),
+        attn_scale=1.0 / math.sqrt(query_scale),
+        final_logit_softcap=float(softcap) if softcap else None,
+        attn_logit_softcap=None,
+        moe=None,
+        layers=layers,
+    )

@@ -1,0 +1,1 @@
+"""Runtime: sequence state (KV cache), the engine step, sampling and generation."""

@@ -1,0 +1,54 @@
+"""One sequence's engine: feed tokens (reusing the cached prefix), get next-token logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.models.decoder import DecoderModel
+from tandem.runtime.kv_cache import KVCache
+
+
+class Engine:
+    """Owns a model and the KV cache of the current sequence; prefill runs in batches of n_batch."""
+
+    def __init__(self, model: DecoderModel, n_ctx: int, cache_dtype: torch.dtype, n_batch: int = 512) -> None:
+        self.model = model
+        self.n_batch = n_batch
+        self.cache = model.new_cache(n_ctx, cache_dtype)
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+
+    def feed(self, ids: Sequence[int]) -> torch.Tensor:
+        """Make the sequence equal to `ids` and return the logits [V] after its last token.
+
+        The longest prefix already in the cache is kept (multi-turn chat does not recompute it);
+        at least the last token is recomputed, since its logits are needed.
+        """
+        cached = self.cache.tokens
+        keep = 0
+        limit = min(len(cached), len(ids) - 1)
+        while keep < limit and cached[keep] == ids[keep]:
+            keep += 1
+        self.cache.truncate(keep)
+        return self.append(ids[keep:])
+
+    def append(self, ids: Sequence[int]) -> torch.Tensor:
+        """Run new tokens after the cached ones; logits [V] after the last."""
+        logits = None
+        for i in range(0, len(ids), self.n_batch):
+            chunk = torch.tensor(ids[i : i + self.n_batch], dtype=torch.long)
+            logits = self.model.forward(chunk, self.cache)
+        assert logits is not None, "append() needs at least one token"
+        return logits[-1]
+
+    def all_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Logits [T, V] at every position of a fresh sequence `ids`."""
+        self.reset()
+        out = []
+        for i in range(0, len(ids), self.n_batch):
+            chunk = torch.tensor(ids[i : i + self.n_batch], dtype=torch.long)
+            out.append(self.model.forward(chunk, self.cache, all_logits=True))
+        return torch.cat(out)

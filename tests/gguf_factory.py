@@ -1,0 +1,51 @@
+"""Small hand-made GGUF files for error-path tests (no model weights needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+QWEN3_KEYS = {
+    "embedding_length": 64,
+    "block_count": 1,
+    "feed_forward_length": 128,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "attention.key_length": 16,
+    "attention.value_length": 16,
+    "attention.layer_norm_rms_epsilon": 1e-6,
+    "context_length": 256,
+}
+
+
+def write_gguf(
+    path: Path,
+    arch: str = "qwen3",
+    drop_keys: tuple[str, ...] = (),
+    tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> Path:
+    """A one-layer-sized GGUF with metadata for `arch` and one 64x64 tensor of `tensor_type`."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in QWEN3_KEYS.items():
+        if key in drop_keys:
+            continue
+        full = f"{arch}.{key}"
+        if isinstance(value, float):
+            w.add_float32(full, value)
+        else:
+            w.add_uint32(full, value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(32)])
+    block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+    if tensor_type == gguf.GGMLQuantizationType.F32:
+        w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
+    else:
+        raw = np.zeros((64, 64 // block * size), dtype=np.uint8)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,100 @@
+"""Every malformed or unsupported input gives a typed one-line error (API) and exit 2 (CLI)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+from gguf_factory import write_gguf
+
+from tandem.cli.main import main
+from tandem.errors import GGUFFormatError, MissingMetadataError, UnsupportedModelError
+from tandem.gguf import open_gguf
+from tandem.models import read_config
+from tandem.quant.types import check_supported
+
+
+def _cli_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_valid_file_opens(tmp_path: Path) -> None:
+    f = open_gguf(write_gguf(tmp_path / "ok.gguf"))
+    assert f.arch == "qwen3"
+    t = f.tensors["token_embd.weight"]
+    assert t.shape == (64, 64) and t.n_bytes == 64 * 64 * 4
+
+
+def test_wrong_magic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGML" + b"\0" * 100)
+    with pytest.raises(GGUFFormatError, match="not a GGUF file"):
+        open_gguf(path)
+    assert "not a GGUF file" in _cli_error(capsys, "inspect", "-m", str(path))
+
+
+def test_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "no such file" in _cli_error(capsys, "inspect", "-m", str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.parametrize("keep", [6, 30, 200])
+def test_truncated_header(tmp_path: Path, keep: int, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_gguf(tmp_path / "ok.gguf").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:keep])
+    with pytest.raises(GGUFFormatError):
+        open_gguf(path)
+    _cli_error(capsys, "inspect", "-m", str(path))
+
+
+def test_tensor_data_out_of_bounds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_gguf(tmp_path / "ok.gguf").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:-100])  # the header is intact, the tensor data is not
+    with pytest.raises(GGUFFormatError, match="beyond the end of the file"):
+        open_gguf(path)
+    assert "truncated" in _cli_error(capsys, "inspect", "-m", str(path))
+
+
+def test_unknown_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_gguf(tmp_path / "arch.gguf", arch="frobnicator")
+    with pytest.raises(UnsupportedModelError, match="architecture 'frobnicator' is not supported"):
+        read_config(open_gguf(path))
+    assert "frobnicator" in _cli_error(capsys, "inspect", "-m", str(path))
+
+
+def test_missing_required_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_gguf(tmp_path / "meta.gguf", drop_keys=("embedding_length",))
+    with pytest.raises(MissingMetadataError, match="qwen3.embedding_length"):
+        read_config(open_gguf(path))
+    assert "embedding_length" in _cli_error(capsys, "inspect", "-m", str(path))
+
+
+def test_unsupported_quant_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_gguf(tmp_path / "iq2.gguf", tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
+    info = open_gguf(path).tensors["token_embd.weight"]
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS"):
+        check_supported(info.qtype, info.name)
+    assert "IQ2_XXS" in _cli_error(capsys, "run", "-m", str(path), "-p", "hi")
+
+
+def test_cli_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"\x00" * 10)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "inspect", "-m", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: ") and "Traceback" not in proc.stderr

@@ -1,0 +1,78 @@
+"""Every architecture against `transformers` on tiny random models converted to f32 GGUF.
+
+One shared runner: full-sequence logits on several prompts (some longer than Gemma's sliding
+window), and the cached (incremental) path against the full one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tandem
+
+ARCH_FIXTURES = ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf"]
+PROMPT_LENGTHS = [1, 7, 23, 48]  # the tiny Gemma's sliding window is shorter than the longer ones
+# f32 weights, f32 cache: what remains is summation order (ggml vs. torch), ~1e-5 on these logits.
+MAX_ABS_DIFF = 2e-4
+
+
+def _hf_logits(hf_dir: Path, ids: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.fixture(scope="module", params=ARCH_FIXTURES)
+def arch_model(request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    return request.getfixturevalue(request.param)
+
+
+def _prompts(n_vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(4, n_vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def test_logits_match_transformers(arch_model: tuple[Path, Path]) -> None:
+    hf_dir, gguf_path = arch_model
+    with tandem.LLM(gguf_path, cache_type="f32", threads=2) as llm:
+        for ids in _prompts(llm.config.n_vocab):
+            ours = llm.logits(ids)
+            ref = _hf_logits(hf_dir, ids)
+            assert ours.shape == ref.shape
+            diff = float(np.abs(ours - ref).max())
+            print(f"{llm.config.arch} T={len(ids)} max|diff|={diff:.2e}")
+            assert diff < MAX_ABS_DIFF, f"{llm.config.arch}, {len(ids)} tokens: max |diff| {diff}"
+            assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_cached_decode_matches_full_sequence(arch_model: tuple[Path, Path]) -> None:
+    _, gguf_path = arch_model
+    with tandem.LLM(gguf_path, cache_type="f32", threads=2, n_batch=5) as llm:
+        ids = _prompts(llm.config.n_vocab)[-1]
+        full = llm.logits(ids)
+        llm.engine.reset()
+        llm.engine.feed(ids[:30])  # prefill in batches of 5
+        steps = [llm.engine.append([t]).numpy() for t in ids[30:]]
+        np.testing.assert_allclose(np.stack(steps), full[30:], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_matches_transformers(arch_model: tuple[Path, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, gguf_path = arch_model
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    with tandem.LLM(gguf_path, cache_type="f32", threads=2) as llm:
+        prompt = _prompts(llm.config.n_vocab)[1]
+        ours = llm.generate_ids(prompt, max_tokens=20, temperature=0)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert ours == out[0, len(prompt) :].tolist()
