@@ -16,9 +16,10 @@ from tandem.gguf import GGUFFile, open_gguf
 from tandem.models import read_config
 from tandem.models.config import ModelConfig
 from tandem.models.decoder import DecoderModel
-from tandem.placement import PlacementPlan, plan_placement
+from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
+from tandem.runtime.devices import check_executable
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.kv_cache import CACHE_DTYPES
@@ -51,6 +52,11 @@ class LLM:
         threads: int | None = None,
         cache_type: str = "f16",
         n_batch: int = 512,
+        cpu_moe: bool = False,
+        n_cpu_moe: int = 0,
+        override_tensor: Sequence[str] | None = None,
+        gpu_memory: str | int | None = None,
+        tp: int = 1,
     ) -> None:
         if n_ctx <= 0:
             raise TandemError(f"n_ctx must be positive, got {n_ctx}")
@@ -61,7 +67,17 @@ class LLM:
         for info in self.file.tensors.values():
             check_supported(info.qtype, info.name)
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
-        self.plan: PlacementPlan = plan_placement(self.file, device)
+        request = PlacementRequest.from_flags(
+            device=device,
+            cpu_moe=cpu_moe,
+            n_cpu_moe=n_cpu_moe,
+            override_tensor=list(override_tensor or []),
+            gpu_memory=gpu_memory,
+            tp=tp,
+        )
+        shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
+        self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
+        check_executable(self.plan)
         self.threads = threads or default_threads()
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
@@ -111,9 +127,13 @@ class LLM:
     ) -> str | Iterator[str]:
         """Continue `prompt` (text or token ids). Returns the text, or an iterator of text pieces."""
         params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repeat_penalty=repeat_penalty, seed=seed,
-        )  # fmt: skip
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+        )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         pieces = self._stream(self._prompt_ids(prompt), max_tokens, Sampler(params), stops)
         return pieces if stream else "".join(pieces)

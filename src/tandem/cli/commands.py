@@ -13,6 +13,8 @@ from tandem.api import LLM, default_model_path
 from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
+from tandem.placement import PlacementRequest, RuntimeShape, plan_placement
+from tandem.runtime.kv_cache import CACHE_DTYPES
 
 
 def _load(args: argparse.Namespace) -> LLM:
@@ -23,7 +25,18 @@ def _load(args: argparse.Namespace) -> LLM:
         threads=args.threads,
         cache_type=args.cache_type,
         n_batch=args.batch_size,
+        **_placement(args),
     )
+
+
+def _placement(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "cpu_moe": args.cpu_moe,
+        "n_cpu_moe": args.n_cpu_moe,
+        "override_tensor": args.override_tensor,
+        "gpu_memory": args.gpu_memory,
+        "tp": args.tp,
+    }
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, object]:
@@ -94,8 +107,14 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    """A dry run: metadata, quant mix and the placement plan, without reading weights or a GPU."""
     f = open_gguf(args.model or default_model_path())
     cfg = read_config(f)
+    request = PlacementRequest.from_flags(device=args.device, **_placement(args))
+    shape = RuntimeShape(
+        n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize
+    )
+    plan = plan_placement(f, cfg, request, shape)
     mix: Counter[str] = Counter()
     mix_bytes: Counter[str] = Counter()
     for t in f.tensors.values():
@@ -117,8 +136,15 @@ def inspect(args: argparse.Namespace) -> int:
         "context_length": cfg.context_length,
         "experts": None if cfg.moe is None else {"count": cfg.moe.n_experts, "active": cfg.moe.n_active},
         "quant_mix": {k: {"tensors": mix[k], "bytes": mix_bytes[k]} for k in sorted(mix)},
+        "plan": {k: v for k, v in plan.to_dict().items() if k != "tensors"},
         "tensors": [
-            {"name": t.name, "type": t.qtype.name, "shape": list(t.shape), "bytes": t.n_bytes}
+            {
+                "name": t.name,
+                "type": t.qtype.name,
+                "shape": list(t.shape),
+                "bytes": t.n_bytes,
+                "device": plan.device_of(t.name),
+            }
             for t in f.tensors.values()
         ],
     }
@@ -129,26 +155,60 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
 def _print_inspect(summary: dict, show_tensors: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     head = Table(show_header=False, box=None)
-    for key in ("path", "architecture", "name", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim",
-                "n_vocab", "context_length", "experts", "n_tensors"):  # fmt: skip
+    for key in (
+        "path",
+        "architecture",
+        "name",
+        "n_layers",
+        "hidden",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "n_vocab",
+        "context_length",
+        "experts",
+        "n_tensors",
+    ):
         head.add_row(key, str(summary[key]))
     head.add_row("parameters", f"{summary['n_params'] / 1e6:.1f} M")
-    head.add_row("file size", f"{summary['file_bytes'] / 2**20:.1f} MiB")
+    head.add_row("file size", f"{_mib(summary['file_bytes'])} MiB")
     console.print(head)
     mix = Table("type", "tensors", "MiB", title="quant mix")
     for k, v in summary["quant_mix"].items():
-        mix.add_row(k, str(v["tensors"]), f"{v['bytes'] / 2**20:.1f}")
+        mix.add_row(k, str(v["tensors"]), _mib(v["bytes"]))
     console.print(mix)
+    plan = summary["plan"]
+    placed = Table("device", "weights MiB", title=f"placement plan (--device {plan['request']['device']})")
+    for device, n in sorted(plan["weight_bytes"].items()):
+        placed.add_row(device, _mib(n))
+    console.print(placed)
+    if plan["request"]["device"] != "cpu":
+        vram = Table("expected VRAM", "MiB")
+        vram.add_row("weights", _mib(plan["weight_bytes"].get(plan["request"]["device"], 0)))
+        vram.add_row("KV cache", _mib(plan["kv_bytes"]))
+        vram.add_row("workspace", _mib(plan["workspace_bytes"]))
+        vram.add_row("expert staging (prefill)", _mib(plan["staging_bytes"]))
+        vram.add_row("total", _mib(plan["expected_gpu_bytes"]))
+        console.print(vram)
+    if plan["cpu_expert_layers"]:
+        layers = plan["cpu_expert_layers"]
+        console.print(f"experts on the CPU: {len(layers)} layers ({layers[0]}..{layers[-1]})")
+    for note in plan["notes"]:
+        console.print(note)
     if show_tensors:
-        table = Table("tensor", "type", "shape", "bytes", title="tensors")
+        table = Table("tensor", "type", "shape", "MiB", "device", title="tensors")
         for t in summary["tensors"]:
-            table.add_row(t["name"], t["type"], "x".join(map(str, t["shape"])), str(t["bytes"]))
+            table.add_row(t["name"], t["type"], "x".join(map(str, t["shape"])), _mib(t["bytes"]), t["device"])
         console.print(table)
 
 

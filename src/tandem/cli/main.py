@@ -16,10 +16,31 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch size (default 512)")
-    p.add_argument("--device", default="cpu", help="where to run: cpu (default)")
+    _add_placement_flags(p)
     p.add_argument(
         "--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"], help="KV cache type (default f16)"
     )
+
+
+def _add_placement_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="compute device: cpu (default), cuda, cuda:K")
+    p.add_argument("--cpu-moe", action="store_true", help="keep every routed-expert tensor on the CPU")
+    p.add_argument("--n-cpu-moe", type=int, default=0, metavar="N", help="keep the experts of layers 0..N-1 on the CPU")
+    p.add_argument(
+        "-ot",
+        "--override-tensor",
+        action="append",
+        default=[],
+        metavar="REGEX=DEVICE",
+        help="place tensors whose name matches REGEX on DEVICE (cpu, cuda, cuda:K); repeatable, first match wins",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="BUDGET",
+        help="VRAM budget (e.g. 24GiB): fit weights, KV cache and experts into it",
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -53,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="metadata, sizes, quant mix and the tensor table")
     inspect.add_argument("-m", "--model", help="GGUF file (default: the bundled model)")
+    inspect.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the plan (default 4096)")
+    inspect.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch for the plan (default 512)")
+    inspect.add_argument("--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"])
+    _add_placement_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.add_argument("--tensors", action="store_true", help="list every tensor")
 

@@ -13,7 +13,7 @@ from tandem.layers.activations import activation
 from tandem.layers.attention import Attention, AttentionShape
 from tandem.layers.linear import Linear
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.moe import MoE, GatedExperts, SoftmaxTopKRouter
+from tandem.layers.moe import GatedExperts, MoE, SoftmaxTopKRouter
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope, RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig

@@ -25,7 +25,6 @@ def read_config(f: GGUFFile) -> ModelConfig:
     reader = _READERS.get(arch)
     if reader is None:
         raise UnsupportedModelError(
-            f"{f.path.name}: architecture '{f.arch}' is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{f.path.name}: architecture '{f.arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return reader(f)

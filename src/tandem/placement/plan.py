@@ -1,33 +1,197 @@
-"""The placement plan, computed once from the flags before any weight moves."""
+"""The placement plan: computed once from the flags, before any weight moves, and obeyed by every
+loader and execution path. `tandem inspect` prints it without touching a GPU or reading weights.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from tandem.errors import PlacementError
 from tandem.gguf import GGUFFile
+from tandem.models.config import ModelConfig
+from tandem.placement.request import PlacementRequest
+
+# The routed-expert tensors, as llama.cpp's --cpu-moe names them.
+EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(?:up|down|gate_up|gate)_(?:ch|)exps")
+
+
+def expert_layer(name: str) -> int | None:
+    """The layer index of a routed-expert tensor, or None for any other tensor."""
+    m = EXPERT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class RuntimeShape:
+    """What, besides weights, takes device memory: KV cache and activations."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    cache_bytes_per_value: int = 2  # f16
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """tensor name -> device ("cpu" or "cuda:N")."""
+    """tensor name -> device ("cpu" or "cuda:N"), with the memory it implies per device."""
 
     devices: dict[str, str]
+    request: PlacementRequest
+    weight_bytes: dict[str, int]  # per device
+    kv_bytes: int  # on the compute device (0 on a CPU-only plan's GPU side)
+    workspace_bytes: int  # activations on the compute device
+    staging_bytes: int  # bounded GPU window for streaming CPU experts during prefill
+    cpu_expert_layers: tuple[int, ...]
+    notes: tuple[str, ...] = field(default=())
 
     def device_of(self, name: str) -> str:
         return self.devices[name]
 
-    def bytes_per_device(self, f: GGUFFile) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for name, device in self.devices.items():
-            totals[device] = totals.get(device, 0) + f.tensors[name].n_bytes
-        return totals
+    @property
+    def compute_device(self) -> str:
+        return self.request.device
+
+    def gpu_bytes(self, device: str | None = None) -> int:
+        """Expected VRAM on `device` (default: the compute device): weights + KV + workspace + staging."""
+        device = device or self.compute_device
+        if device == "cpu":
+            return 0
+        extra = self.kv_bytes + self.workspace_bytes + self.staging_bytes if device == self.compute_device else 0
+        return self.weight_bytes.get(device, 0) + extra
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "request": {
+                "device": self.request.device,
+                "cpu_moe": self.request.cpu_moe,
+                "n_cpu_moe": self.request.n_cpu_moe,
+                "override_tensor": [f"{p}={d}" for p, d in self.request.override_tensor],
+                "gpu_memory": self.request.gpu_memory,
+                "tp": self.request.tp,
+            },
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes": self.kv_bytes,
+            "workspace_bytes": self.workspace_bytes,
+            "staging_bytes": self.staging_bytes,
+            "expected_gpu_bytes": self.gpu_bytes() if self.compute_device != "cpu" else 0,
+            "cpu_expert_layers": list(self.cpu_expert_layers),
+            "notes": list(self.notes),
+            "tensors": self.devices,
+        }
 
 
-def plan_placement(f: GGUFFile, device: str = "cpu") -> PlacementPlan:
-    """Place every tensor on `device`. Only the CPU executes models so far."""
-    if device != "cpu":
+def kv_cache_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
+    per_position = cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + cfg.value_dim)
+    return shape.n_ctx * per_position * shape.cache_bytes_per_value
+
+
+def workspace_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
+    """Activations of one prefill batch in float32: residual stream and projections, the widest MLP,
+    one layer's attention scores, and one row of logits."""
+    ffn = max(cfg.ffn_dim, cfg.moe.expert_ffn_dim * cfg.moe.n_active if cfg.moe else 0)
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * max(cfg.head_dim, cfg.value_dim)
+    per_token = 4 * cfg.hidden + 3 * ffn + 2 * qkv
+    scores = cfg.n_heads * shape.n_batch * shape.n_ctx
+    return 4 * (shape.n_batch * per_token + scores + cfg.n_vocab)
+
+
+def _assign(f: GGUFFile, req: PlacementRequest, cfg: ModelConfig) -> tuple[dict[str, str], list[str]]:
+    """Flags -> devices, before any budget: -ot first (first match wins), then --cpu-moe/--n-cpu-moe."""
+    if req.n_cpu_moe > cfg.n_layers:
         raise PlacementError(
-            f"--device {device}: only the CPU path is built so far; use --device cpu"
+            f"--n-cpu-moe {req.n_cpu_moe}: the model has only {cfg.n_layers} layers (use at most {cfg.n_layers}, "
+            f"or --cpu-moe for all)"
         )
-    return PlacementPlan(devices={name: "cpu" for name in f.tensors})
+    has_experts = any(expert_layer(n) is not None for n in f.tensors)
+    if (req.cpu_moe or req.n_cpu_moe) and not has_experts:
+        flag = "--cpu-moe" if req.cpu_moe else "--n-cpu-moe"
+        raise PlacementError(f"{flag}: {f.arch} has no routed-expert tensors (blk.N.ffn_*_exps); drop the flag")
+    patterns = [(re.compile(p), p, d) for p, d in req.override_tensor]
+    used: set[str] = set()
+    devices: dict[str, str] = {}
+    for name in f.tensors:
+        device = None
+        for regex, text, target in patterns:
+            if regex.search(name):
+                device = target
+                used.add(text)
+                break
+        if device is None:
+            layer = expert_layer(name)
+            if layer is not None and (req.cpu_moe or layer < req.n_cpu_moe):
+                device = "cpu"
+        devices[name] = device or req.device
+    unused = [p for _, p, _ in patterns if p not in used]
+    if unused:
+        raise PlacementError(
+            f"-ot/--override-tensor: '{unused[0]}' matches no tensor of {f.path.name} "
+            f"(see the names with `tandem inspect -m MODEL --tensors`)"
+        )
+    return devices, [p for _, p, _ in patterns]
+
+
+def plan_placement(
+    f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, shape: RuntimeShape | None = None
+) -> PlacementPlan:
+    """Compute and validate the plan. Raises PlacementError (one line, naming the flag) if impossible."""
+    shape = shape or RuntimeShape()
+    devices, _ = _assign(f, req, cfg)
+    on_gpu = req.device != "cpu"
+    kv = kv_cache_bytes(cfg, shape) if on_gpu else 0
+    work = workspace_bytes(cfg, shape) if on_gpu else 0
+    notes: list[str] = []
+    if req.gpu_memory is not None:
+        devices, note = _fit_budget(f, cfg, req, devices, kv + work)
+        notes.append(note)
+    weight_bytes: dict[str, int] = {}
+    for name, device in devices.items():
+        weight_bytes[device] = weight_bytes.get(device, 0) + f.tensors[name].n_bytes
+    cpu_layers = sorted({layer for n, d in devices.items() if d == "cpu" and (layer := expert_layer(n)) is not None})
+    staging = _staging_bytes(f, devices) if on_gpu else 0
+    return PlacementPlan(
+        devices=devices,
+        request=req,
+        weight_bytes=weight_bytes,
+        kv_bytes=kv,
+        workspace_bytes=work,
+        staging_bytes=staging,
+        cpu_expert_layers=tuple(cpu_layers),
+        notes=tuple(notes),
+    )
+
+
+def _staging_bytes(f: GGUFFile, devices: dict[str, str]) -> int:
+    """The largest one layer's CPU-resident experts: the prefill window streams one layer at a time."""
+    per_layer: dict[int, int] = {}
+    for name, device in devices.items():
+        layer = expert_layer(name)
+        if layer is not None and device == "cpu":
+            per_layer[layer] = per_layer.get(layer, 0) + f.tensors[name].n_bytes
+    return max(per_layer.values(), default=0)
+
+
+def _fit_budget(
+    f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, devices: dict[str, str], runtime_bytes: int
+) -> tuple[dict[str, str], str]:
+    """Move the experts of layers 0..N-1 to the CPU for the smallest N that fits --gpu-memory."""
+    budget = req.gpu_memory
+    assert budget is not None
+    gpu = req.device
+
+    def gpu_total(candidate: dict[str, str]) -> int:
+        weights = sum(f.tensors[n].n_bytes for n, d in candidate.items() if d == gpu)
+        return weights + runtime_bytes + _staging_bytes(f, candidate)
+
+    for n_cpu in range(cfg.n_layers + 1):
+        candidate = {
+            n: ("cpu" if d == gpu and (layer := expert_layer(n)) is not None and layer < n_cpu else d)
+            for n, d in devices.items()
+        }
+        if gpu_total(candidate) <= budget:
+            where = f"experts of layers 0..{n_cpu - 1} on the CPU" if n_cpu else "every expert fits on the GPU"
+            return candidate, f"--gpu-memory {budget / 2**30:.2f} GiB: {where}"
+    need = gpu_total({n: ("cpu" if expert_layer(n) is not None else d) for n, d in devices.items()})
+    raise PlacementError(
+        f"--gpu-memory {budget / 2**30:.2f} GiB cannot hold even the non-expert weights, KV cache and workspace "
+        f"({need / 2**30:.2f} GiB); raise --gpu-memory, lower -c/--ctx-size, or use more GPUs"
+    )

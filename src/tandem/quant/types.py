@@ -9,10 +9,24 @@ from tandem.errors import UnsupportedModelError
 
 SUPPORTED_TYPES: frozenset[Q] = frozenset(
     {
-        Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4,
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        Q.IQ4_NL,
+        Q.IQ4_XS,
+        Q.MXFP4,
     }
-)  # fmt: skip
+)
 
 
 def block_geometry(qtype: Q) -> tuple[int, int]:
@@ -31,6 +45,5 @@ def check_supported(qtype: Q, tensor_name: str) -> None:
     if qtype not in SUPPORTED_TYPES:
         names = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
         raise UnsupportedModelError(
-            f"tensor '{tensor_name}' uses quant type {qtype.name}, which tandem does not support "
-            f"(supported: {names})"
+            f"tensor '{tensor_name}' uses quant type {qtype.name}, which tandem does not support (supported: {names})"
         )

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 
 from tandem.models.decoder import DecoderModel
-from tandem.runtime.kv_cache import KVCache
 
 
 class Engine:

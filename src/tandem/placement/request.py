@@ -1,0 +1,107 @@
+"""The placement flags, validated where they are made."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tandem.errors import PlacementError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '20GB', '1.5g', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise PlacementError(f"--gpu-memory: cannot read '{text}' as a size (e.g. 24GiB, 20GB, 8000MiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def normalize_device(device: str, flag: str) -> str:
+    """'cpu', 'cuda', 'cuda:K' -> 'cpu' or 'cuda:K'."""
+    d = device.strip().lower()
+    if d == "cpu":
+        return "cpu"
+    if d in ("cuda", "gpu"):
+        return "cuda:0"
+    m = re.fullmatch(r"(?:cuda|gpu):(\d+)", d)
+    if m:
+        return f"cuda:{int(m.group(1))}"
+    raise PlacementError(f"{flag}: unknown device '{device}' (use cpu, cuda or cuda:K)")
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """'REGEX=DEVICE' (llama.cpp's -ot syntax) -> (regex, device)."""
+    pattern, sep, device = text.rpartition("=")
+    if not sep or not pattern:
+        raise PlacementError(f"-ot/--override-tensor: expected REGEX=DEVICE, got '{text}'")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise PlacementError(f"-ot/--override-tensor: bad regex '{pattern}': {e}") from None
+    return pattern, normalize_device(device, "-ot/--override-tensor")
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the user asked for: --device, --cpu-moe, --n-cpu-moe, -ot, --gpu-memory, --tp."""
+
+    device: str = "cpu"
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    override_tensor: tuple[tuple[str, str], ...] = ()
+    gpu_memory: int | None = None
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", normalize_device(self.device, "--device"))
+        if self.n_cpu_moe < 0:
+            raise PlacementError(f"--n-cpu-moe must be >= 0, got {self.n_cpu_moe}")
+        if self.cpu_moe and self.n_cpu_moe:
+            raise PlacementError(
+                "--cpu-moe and --n-cpu-moe are exclusive: --cpu-moe already puts every layer's experts on the CPU"
+            )
+        if self.gpu_memory is not None and self.gpu_memory <= 0:
+            raise PlacementError(f"--gpu-memory must be positive, got {self.gpu_memory}")
+        if self.tp < 1:
+            raise PlacementError(f"--tp must be >= 1, got {self.tp}")
+        if self.device == "cpu" and (self.gpu_memory is not None or self.tp > 1):
+            raise PlacementError("--gpu-memory and --tp need a GPU device (--device cuda)")
+
+    @classmethod
+    def from_flags(
+        cls,
+        device: str = "cpu",
+        cpu_moe: bool = False,
+        n_cpu_moe: int = 0,
+        override_tensor: list[str] | tuple[str, ...] | None = None,
+        gpu_memory: str | int | None = None,
+        tp: int = 1,
+    ) -> PlacementRequest:
+        """Build from CLI/API values (override strings 'REGEX=DEVICE', sizes as text or bytes)."""
+        overrides = tuple(parse_override(o) for o in (override_tensor or ()))
+        budget = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+        return cls(
+            device=device, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, override_tensor=overrides, gpu_memory=budget, tp=tp
+        )
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.device != "cpu" or any(d != "cpu" for _, d in self.override_tensor)

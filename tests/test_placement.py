@@ -1,0 +1,130 @@
+"""The placement plan: flags -> devices, validated before any weight moves; dry-run on any machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tandem
+from tandem.cli.main import main
+from tandem.errors import PlacementError
+from tandem.gguf import open_gguf
+from tandem.models import read_config
+from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement.request import parse_size
+
+
+def _plan(path: Path, **flags: object):
+    f = open_gguf(path)
+    return f, plan_placement(f, read_config(f), PlacementRequest.from_flags(**flags), RuntimeShape(n_ctx=256))
+
+
+def test_cpu_moe_puts_every_expert_on_cpu_and_nothing_else(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    f, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True)
+    experts = [n for n in f.tensors if expert_layer(n) is not None]
+    assert experts
+    for name, device in plan.devices.items():
+        assert device == ("cpu" if name in experts else "cuda:0"), name
+    assert "blk.0.ffn_gate_inp.weight" in plan.devices and plan.devices["blk.0.ffn_gate_inp.weight"] == "cuda:0"
+    assert plan.cpu_expert_layers == tuple(range(read_config(f).n_layers))
+    cpu_bytes = sum(f.tensors[n].n_bytes for n in experts)
+    assert plan.weight_bytes["cpu"] == cpu_bytes
+    assert plan.gpu_bytes() == plan.weight_bytes["cuda:0"] + plan.kv_bytes + plan.workspace_bytes + plan.staging_bytes
+
+
+def test_n_cpu_moe_takes_the_first_layers(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    f, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda", n_cpu_moe=1)
+    for name, device in plan.devices.items():
+        layer = expert_layer(name)
+        assert device == ("cpu" if layer == 0 else "cuda:0"), name
+    assert plan.cpu_expert_layers == (0,)
+
+
+def test_override_first_match_wins_and_beats_cpu_moe(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    overrides = [r"blk\.1\.ffn_up_exps=cuda", r"blk\.1\..*=cpu", r"attn_q=cpu"]
+    _, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True, override_tensor=overrides)
+    assert plan.devices["blk.1.ffn_up_exps.weight"] == "cuda:0"
+    assert plan.devices["blk.1.ffn_down_exps.weight"] == "cpu"
+    assert plan.devices["blk.1.attn_k.weight"] == "cpu"
+    assert plan.devices["blk.0.attn_q.weight"] == "cpu"
+    assert plan.devices["blk.0.attn_k.weight"] == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"device": "cuda", "n_cpu_moe": 99}, "--n-cpu-moe 99"),
+        ({"device": "cuda", "override_tensor": [r"nothing_like_this=cpu"]}, "matches no tensor"),
+        ({"device": "cuda", "override_tensor": [r"attn_q"]}, "REGEX=DEVICE"),
+        ({"device": "cuda", "override_tensor": [r"attn_q=tpu"]}, "unknown device 'tpu'"),
+        ({"device": "cuda", "override_tensor": [r"attn_q[=cpu"]}, "bad regex"),
+        ({"device": "npu"}, "--device: unknown device"),
+        ({"device": "cuda", "gpu_memory": "1KiB"}, "cannot hold even the non-expert weights"),
+        ({"device": "cuda", "gpu_memory": "lots"}, "cannot read 'lots'"),
+        ({"device": "cpu", "gpu_memory": "8GiB"}, "need a GPU device"),
+        ({"device": "cuda", "cpu_moe": True, "n_cpu_moe": 1}, "exclusive"),
+    ],
+)
+def test_impossible_requests_fail_fast(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, message: str) -> None:
+    with pytest.raises(PlacementError, match=message):
+        _plan(tiny_qwen3moe_gguf[1], **flags)
+
+
+def test_cpu_moe_on_a_dense_model_is_an_error(tiny_qwen3_gguf: tuple[Path, Path]) -> None:
+    with pytest.raises(PlacementError, match="--cpu-moe: qwen3 has no routed-expert tensors"):
+        _plan(tiny_qwen3_gguf[1], device="cuda", cpu_moe=True)
+
+
+def test_budget_moves_whole_layers_of_experts_to_cpu(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    f, everything = _plan(tiny_qwen3moe_gguf[1], device="cuda")
+    n_layers = read_config(f).n_layers
+    _, all_off = _plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True)
+    # Offloading costs a staging window of one layer's experts, so the budget that excludes
+    # every expert but the staging window forces all layers to the CPU.
+    budget = all_off.gpu_bytes()
+    assert budget < everything.gpu_bytes()
+    _, fitted = _plan(tiny_qwen3moe_gguf[1], device="cuda", gpu_memory=budget)
+    assert fitted.cpu_expert_layers == tuple(range(n_layers))
+    assert fitted.gpu_bytes() <= budget
+    _, roomy = _plan(tiny_qwen3moe_gguf[1], device="cuda", gpu_memory=everything.gpu_bytes())
+    assert roomy.cpu_expert_layers == ()
+
+
+def test_budget_works_with_other_flags(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    _, plan = _plan(
+        tiny_qwen3moe_gguf[1], device="cuda", gpu_memory="64GiB", override_tensor=[r"blk\.1\.ffn_up_exps=cpu"]
+    )
+    assert plan.devices["blk.1.ffn_up_exps.weight"] == "cpu"
+    assert plan.devices["blk.1.ffn_down_exps.weight"] == "cuda:0"
+
+
+def test_sizes() -> None:
+    assert parse_size("24GiB") == 24 * 2**30
+    assert parse_size("20GB") == 20 * 10**9
+    assert parse_size("1.5g") == 1_500_000_000
+    assert parse_size("4096") == 4096
+
+
+def test_paths_not_built_fail_before_loading(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    with pytest.raises(PlacementError, match="--tp 2"):
+        tandem.LLM(tiny_qwen3moe_gguf[1], device="cuda", tp=2)
+
+
+def test_inspect_is_a_dry_run_of_a_gpu_plan(
+    tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture
+) -> None:
+    path = str(tiny_qwen3moe_gguf[1])
+    assert main(["inspect", "-m", path, "--device", "cuda", "--cpu-moe", "--gpu-memory", "24GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = out["plan"]
+    assert plan["request"]["cpu_moe"] and plan["request"]["device"] == "cuda:0"
+    devices = {t["name"]: t["device"] for t in out["tensors"]}
+    assert devices["blk.0.ffn_down_exps.weight"] == "cpu" and devices["blk.0.attn_q.weight"] == "cuda:0"
+    assert plan["expected_gpu_bytes"] == (
+        plan["weight_bytes"]["cuda:0"] + plan["kv_bytes"] + plan["workspace_bytes"] + plan["staging_bytes"]
+    )
+    assert main(["inspect", "-m", path, "--device", "cuda", "--n-cpu-moe", "1", "--tensors"]) == 0
+    text = capsys.readouterr().out
+    assert "expected VRAM" in text and "experts on the CPU: 1 layers (0..0)" in text

@@ -1,0 +1,276 @@
+"""Tiny random-weight Hugging Face checkpoints (Qwen3, Qwen3-MoE, Gemma 3) with real tokenizers.
+
+Each `make_tiny_*` writes config.json, model.safetensors (float32) and tokenizer files into a directory
+and returns it. Weights come from the `transformers` model classes under a fixed seed, so a given seed
+always gives the same files; the tokenizers are trained on the built-in text below (no downloads).
+
+* Qwen: byte-level BPE `tokenizer.json` (Qwen2 pre-tokenizer regex) with <|endoftext|>, <|im_start|>,
+  <|im_end|> as the last three ids, plus tokenizer_config.json with a ChatML chat template.
+* Gemma: SentencePiece BPE `tokenizer.model` (byte fallback) with <pad>, <eos>, <bos>, <unk> at ids 0..3
+  and <start_of_turn>, <end_of_turn> as user-defined symbols (ids 4, 5), plus tokenizer_config.json with
+  a Gemma chat template.
+* Gemma 3 layers: 6 layers with a sliding window of 16 and the stock pattern of 6 (five sliding layers,
+  then one global layer: layer 5). That is what llama.cpp assumes for gemma3 when the GGUF has no
+  `gemma3.attention.sliding_window_pattern` key, so the file reads the same in any llama.cpp version.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+
+CORPUS = """\
+The harbour was quiet in the early morning, and the fishing boats rocked gently against the wooden pier.
+An old man sat on a coil of rope, mending a net with quick and patient fingers. Gulls circled overhead,
+calling to one another, and the smell of salt and tar hung in the cool air. Far out on the water a single
+sail caught the first light of the sun and turned from grey to gold.
+
+In the city the markets opened at seven o'clock. Traders unloaded crates of apples, pears, cabbages and
+onions, stacking them into bright pyramids. A baker carried trays of warm bread through the crowd, and
+children ran between the stalls, laughing. Prices were shouted, argued over and agreed: 3 apples for 2
+coins, 12 eggs for 5, a basket of cherries for 10. By noon most of the stalls were empty again.
+
+Scientists measure the world with numbers. The speed of light is close to 299792458 metres per second,
+water boils at 100 degrees at sea level, and the Earth turns once every 24 hours. Careful measurement,
+repeated many times, lets us test an idea against reality; if the numbers disagree, the idea must change.
+This simple rule has carried knowledge further than any single genius could.
+
+Learning a language takes time. At first every sentence is a puzzle: which word is the verb, where does
+the subject hide, why does this ending change? Then, slowly, patterns appear. Reading stories helps,
+speaking with friends helps more, and making mistakes without fear helps most of all. One day you notice
+that you understood a joke, and you realise that the language has become your own.
+
+The mountain path climbed through pine forest, crossed a cold stream on flat stones and came out onto an
+open ridge. From there the valley spread below like a map: green fields, a winding river, the roofs of a
+small village and the thin white line of a road. Clouds moved slowly across the peaks, and their shadows
+drifted over the meadows like grazing animals.
+
+Computers follow instructions exactly. A program is a list of steps: read a value, compare it, add one,
+repeat until done. Bugs appear when the steps say something other than what we meant. Good programmers
+test their code, write clear names for things, and keep each function small enough to understand at a
+glance. They also know when to stop adding features and start removing them.
+
+Questions and answers: What time is it? It is half past four. Where are you going? To the library, then
+home. How many books can I borrow? Up to six at once, for three weeks. Is the museum open on Monday? No,
+it is closed on Mondays, but it opens late on Thursday evenings. Thank you! You're welcome.
+"""
+
+# Qwen2 / Qwen3 pre-tokenizer split (llama.cpp's "qwen2" pre-tokenizer implements the same regex)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+GEMMA_USER_SYMBOLS = ("<start_of_turn>", "<end_of_turn>")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def _lines() -> list[str]:
+    return [line for line in CORPUS.splitlines() if line.strip()]
+
+
+def _added_token(content: str) -> dict[str, Any]:
+    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tokenizers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_qwen_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
+    """Byte-level BPE with exactly `vocab_size` ids (the specials last); returns the special ids."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    n_bpe = vocab_size - len(QWEN_SPECIALS)
+    trainer = trainers.BpeTrainer(vocab_size=n_bpe, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_lines(), trainer)
+    if tok.get_vocab_size() != n_bpe:
+        raise RuntimeError(f"BPE training reached {tok.get_vocab_size()} tokens, wanted {n_bpe}")
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIALS])
+    tok.save(str(out_dir / "tokenizer.json"))
+    ids = {s: n_bpe + i for i, s in enumerate(QWEN_SPECIALS)}
+    _write_json(out_dir / "tokenizer_config.json", {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(i): _added_token(s) for s, i in ids.items()},
+        "bos_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 512,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    })
+    return ids
+
+
+def write_gemma_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
+    """SentencePiece BPE `tokenizer.model` with Gemma's special ids; returns the special ids."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_lines()), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=list(GEMMA_USER_SYMBOLS), byte_fallback=True, character_coverage=1.0,
+        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, num_threads=1, minloglevel=2,
+    )
+    (out_dir / "tokenizer.model").write_bytes(buf.getvalue())
+    ids = {s: i for i, s in enumerate(GEMMA_SPECIALS + GEMMA_USER_SYMBOLS)}
+    _write_json(out_dir / "tokenizer_config.json", {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": {str(i): _added_token(s) for s, i in ids.items()},
+        "bos_token": "<bos>",
+        "chat_template": GEMMA_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<eos>",
+        "model_max_length": 512,
+        "pad_token": "<pad>",
+        "spaces_between_special_tokens": False,
+        "tokenizer_class": "GemmaTokenizer",
+        "unk_token": "<unk>",
+    })
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _save(model: Any, out_dir: Path, seed: int) -> None:
+    """Perturb the norm weights (HF initialises them to constants) so that norm handling is testable."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir)
+
+
+def _build(config: Any, model_cls: Any, seed: int) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return model_cls(config).to(torch.float32).eval()
+
+
+def make_tiny_qwen3(out_dir: Path, seed: int = 0) -> Path:
+    """Qwen3ForCausalLM: 2 layers, hidden 64, 4 heads / 2 KV heads of 32, tied embeddings, vocab 512."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = write_qwen_tokenizer(out_dir)
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True, initializer_range=0.05,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    _save(_build(config, Qwen3ForCausalLM, seed), out_dir, seed)
+    return out_dir
+
+
+def make_tiny_qwen3moe(out_dir: Path, seed: int = 0) -> Path:
+    """Qwen3MoeForCausalLM: 2 layers, hidden 128, 8 experts (top-2, renormalised) of 32, vocab 512."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = write_qwen_tokenizer(out_dir)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=512, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=False, initializer_range=0.05,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    _save(_build(config, Qwen3MoeForCausalLM, seed), out_dir, seed)
+    return out_dir
+
+
+def make_tiny_gemma3(out_dir: Path, seed: int = 0) -> Path:
+    """Gemma3ForCausalLM (text): 6 layers (5 sliding of window 16, then 1 global), hidden 64, vocab 512."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = write_gemma_tokenizer(out_dir)
+    n_layers = 6
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+        initializer_range=0.05,
+        pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"],
+    )
+    _save(_build(config, Gemma3ForCausalLM, seed), out_dir, seed)
+    return out_dir
