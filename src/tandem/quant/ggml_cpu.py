@@ -1,0 +1,332 @@
+"""Matrix products on quantized GGUF blocks through ggml's CPU kernels (zero copy).
+
+The weights are never dequantized nor copied: a ggml tensor's `data` is pointed at the raw GGUF
+bytes (a view into the file's memory map), the activation and output tensors at the memory of torch
+tensors, and ggml's CPU backend runs `ggml_mul_mat` / `ggml_mul_mat_id` on them. The arithmetic is
+llama.cpp's: ggml converts the activations to the weight type's `vec_dot_type` (Q8_0, Q8_1 or Q8_K
+for quantized weights, F16/BF16 for those weights, F32 for F32) and runs its integer dot products.
+
+Per-call cost is kept low for decode (one call per layer per token): the CPU backend, its work
+buffer and its threadpool live as long as the `CPUKernels` object, and the one-node graph of each
+distinct problem (type, shape, token count) is built once and cached; a call then only writes three
+or four `data` pointers into the cached ggml tensors and runs the graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import ggml
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+from tandem.errors import UnsupportedModelError
+
+__all__ = ["GGMLWeight", "CPUKernels", "mul_mat_supported"]
+
+# Graphs kept per CPUKernels. A model has a handful of (type, N, K) combinations per layer kind, and
+# decode uses one token count; prefill adds one set per distinct chunk length. Each entry is ~3 KiB.
+_MAX_CACHED_GRAPHS = 256
+_GRAPH_NODES = 4
+
+# The raw ctypes function, with plain pointer arguments: passing ints is the cheapest conversion.
+_graph_compute = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+    ctypes.cast(ggml.ggml_backend_graph_compute, ctypes.c_void_p).value
+)
+
+
+def mul_mat_supported(qtype: GGMLQuantizationType) -> bool:
+    """Whether this ggml build has a CPU dot product for `qtype` (so `ggml_mul_mat` can use it)."""
+    try:
+        traits = ggml.ggml_get_type_traits_cpu(int(qtype)).contents
+    except (ValueError, OSError):
+        return False
+    return bool(traits.vec_dot)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: identity equality/hash (ndarray fields do not compare)
+class GGMLWeight:
+    """A quantized weight as it lies in the GGUF file.
+
+    `data` is the uint8, C-contiguous raw bytes (normally a view into the file's memory map); this
+    object keeps it alive, so the ggml tensors that point at it stay valid while it is referenced.
+    `shape` is in PyTorch order: (N, K) for a matrix, (E, N, K) for stacked experts.
+    """
+
+    data: np.ndarray
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    # Address of data[0], read once here rather than on every call.
+    ptr: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        qtype = GGMLQuantizationType(self.qtype)
+        object.__setattr__(self, "qtype", qtype)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if len(self.shape) not in (2, 3) or min(self.shape) <= 0:
+            raise ValueError(
+                f"GGMLWeight shape must be (N, K) or (E, N, K) with positive sizes, got {self.shape}"
+            )
+        if self.data.dtype != np.uint8 or not self.data.flags.c_contiguous:
+            raise ValueError("GGMLWeight data must be a C-contiguous uint8 array (the raw GGUF bytes)")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        k = self.shape[-1]
+        if k % block:
+            raise ValueError(f"row length {k} is not a multiple of the {qtype.name} block size {block}")
+        n_rows = int(np.prod(self.shape[:-1]))
+        expected = n_rows * (k // block) * type_size
+        if self.data.nbytes != expected:
+            raise ValueError(
+                f"{qtype.name} weight of shape {self.shape} needs {expected} bytes, got {self.data.nbytes}"
+            )
+        object.__setattr__(self, "ptr", int(self.data.__array_interface__["data"][0]))
+
+
+class _Graph:
+    """A cached one-node ggml graph; the tensors' `data` pointers are filled in at each call."""
+
+    __slots__ = ("ctx", "graph", "w", "x", "ids", "out")
+
+    def __init__(self, ctx: int, graph: int, w: ggml.ggml_tensor, x: ggml.ggml_tensor,
+                 ids: ggml.ggml_tensor | None, out: ggml.ggml_tensor) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.graph = graph
+        # ctypes structs that alias the ggml tensors' memory: `t.data = p` writes into ggml directly.
+        self.w = w
+        self.x = x
+        self.ids = ids
+        self.out = out
+
+
+class CPUKernels:
+    """ggml CPU matrix products on quantized GGUF weights, with a persistent backend and threadpool.
+
+    Thread safety: one instance owns one ggml CPU backend (one work buffer, one threadpool) and a
+    cache of graphs whose tensors' data pointers are rewritten on each call, so calls on the same
+    instance are serialized by an internal lock. The GIL is released while ggml computes, so other
+    Python threads (e.g. the one driving the GPU) run meanwhile. Separate instances are independent,
+    but each uses `n_threads` cores: running several at once oversubscribes the CPU.
+
+    Threads: this ggml build runs its threads through OpenMP, in the same libgomp as torch. With the
+    default (spinning) OMP_WAIT_POLICY, `n_threads` larger than the cores actually free makes every
+    barrier wait out a scheduler time slice (a 2048x2048 product went from 0.2 ms to 20 ms on two
+    busy cores). Give it only free cores, or set OMP_WAIT_POLICY=PASSIVE before torch is imported.
+    """
+
+    def __init__(self, n_threads: int) -> None:
+        """Start a ggml CPU backend that computes with `n_threads` threads."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self.n_threads = int(n_threads)
+        self._lock = threading.Lock()
+        self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
+        backend = ggml.ggml_backend_cpu_init()
+        if not backend:
+            raise RuntimeError("ggml_backend_cpu_init failed")
+        self._backend: int | None = backend
+        ggml.ggml_backend_cpu_set_n_threads(backend, self.n_threads)
+        # A persistent threadpool: without one, ggml builds and frees a disposable one on every compute.
+        params = ggml.ggml_threadpool_params_default(self.n_threads)
+        threadpool = ggml.ggml_threadpool_new(ctypes.byref(params))
+        if not threadpool:
+            ggml.ggml_backend_free(backend)
+            raise RuntimeError("ggml_threadpool_new failed")
+        self._threadpool: int | None = threadpool
+        ggml.ggml_backend_cpu_set_threadpool(backend, threadpool)
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def matmul(self, x: torch.Tensor, w: GGMLWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ W^T on the quantized blocks of W.
+
+        x: [T, K] (made contiguous float32 CPU if it is not); w: shape (N, K).
+        Returns [T, N] float32: a fresh tensor, or `out` (contiguous float32 [T, N]) filled in place.
+        """
+        if len(w.shape) != 2:
+            raise ValueError(
+                f"matmul needs an (N, K) weight, got shape {w.shape}; use mul_mat_id for experts"
+            )
+        n, k = w.shape
+        x = _as_f32(x)
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be [T, {k}], got {tuple(x.shape)}")
+        t = x.shape[0]
+        y = _output(out, (t, n))
+        if t == 0:
+            return y
+        key = (0, int(w.qtype), n, k, t)
+        with self._lock:
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._build(key, w.qtype, (k, n), (k, t), None)
+            else:
+                self._graphs.move_to_end(key)
+            g.w.data = w.ptr
+            g.x.data = x.data_ptr()
+            g.out.data = y.data_ptr()
+            status = _graph_compute(self._backend, g.graph)
+        # x, y and w were referenced by locals throughout the (synchronous) compute.
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        return y
+
+    def mul_mat_id(
+        self, x: torch.Tensor, w: GGMLWeight, ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-token expert products through `ggml_mul_mat_id`: only the selected experts are read.
+
+        w: stacked experts (E, N, K). ids: [T, A] integer expert indices (0 <= id < E, repeats allowed).
+        x: [T, K] (the same activation for each of the A experts, e.g. gate/up projections) or
+        [T, A, K] (one activation per selected expert, e.g. the down projection).
+        Returns [T, A, N] float32 with out[t, a] = x[t] @ W[ids[t, a]]^T (or x[t, a] @ ...).
+        """
+        if len(w.shape) != 3:
+            raise ValueError(f"mul_mat_id needs an (E, N, K) weight, got shape {w.shape}")
+        e, n, k = w.shape
+        x = _as_f32(x)
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be [T, A], got {tuple(ids.shape)}")
+        t, a = ids.shape
+        if x.shape == (t, k):
+            x_slots = 1  # broadcast over the A selected experts
+        elif x.shape == (t, a, k):
+            x_slots = a
+        else:
+            raise ValueError(
+                f"x must be [{t}, {k}] or [{t}, {a}, {k}] for ids {tuple(ids.shape)}, got {tuple(x.shape)}"
+            )
+        if ids.dtype is not torch.int32 or not ids.is_cpu or not ids.is_contiguous():
+            ids = ids.to(device="cpu", dtype=torch.int32).contiguous()
+        y = _output(out, (t, a, n))
+        if t == 0 or a == 0:
+            return y
+        # ggml aborts the whole process on an out-of-range id: check here instead.
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= e:
+            raise ValueError(f"expert ids must be in [0, {e}), got range [{int(lo)}, {int(hi)}]")
+        key = (1, int(w.qtype), e, n, k, t, a, x_slots)
+        with self._lock:
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._build(key, w.qtype, (k, n, e), (k, x_slots, t), (a, t))
+            else:
+                self._graphs.move_to_end(key)
+            assert g.ids is not None
+            g.w.data = w.ptr
+            g.x.data = x.data_ptr()
+            g.ids.data = ids.data_ptr()
+            g.out.data = y.data_ptr()
+            status = _graph_compute(self._backend, g.graph)
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        return y
+
+    def close(self) -> None:
+        """Free the graphs, the backend and the threadpool. Idempotent."""
+        with self._lock:
+            for g in self._graphs.values():
+                ggml.ggml_free(g.ctx)
+            self._graphs.clear()
+            if self._backend is not None:
+                ggml.ggml_backend_free(self._backend)
+                self._backend = None
+            if self._threadpool is not None:  # after the backend that uses it
+                ggml.ggml_threadpool_free(self._threadpool)
+                self._threadpool = None
+
+    def __enter__(self) -> CPUKernels:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Interpreter shutdown may have torn down ggml already; close() is best effort then.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _build(
+        self,
+        key: tuple[int, ...],
+        qtype: GGMLQuantizationType,
+        w_ne: tuple[int, ...],
+        x_ne: tuple[int, ...],
+        ids_ne: tuple[int, int] | None,
+    ) -> _Graph:
+        """Build and cache the graph for one problem shape (ne in ggml order). Caller holds the lock."""
+        if self._backend is None:
+            raise RuntimeError("CPUKernels is closed")
+        if not mul_mat_supported(qtype):
+            raise UnsupportedModelError(f"this ggml build has no CPU matrix product for {qtype.name}")
+        mem = ggml.ggml_tensor_overhead() * _GRAPH_NODES + ggml.ggml_graph_overhead_custom(
+            _GRAPH_NODES, False
+        )
+        # no_alloc: tensors get no memory of their own; their data pointers are set per call.
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        if not ctx:
+            raise MemoryError("ggml_init failed")
+        try:
+            w_t = _new_tensor(ctx, int(qtype), w_ne)
+            x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, x_ne)
+            if ids_ne is None:
+                ids_t = None
+                out_t = ggml.ggml_mul_mat(ctx, w_t, x_t)
+            else:
+                ids_t = _new_tensor(ctx, ggml.GGML_TYPE_I32, ids_ne)
+                out_t = ggml.ggml_mul_mat_id(ctx, w_t, x_t, ids_t)
+            if not ggml.ggml_backend_supports_op(self._backend, out_t):
+                raise UnsupportedModelError(
+                    f"the ggml CPU backend does not support this product for {qtype.name}"
+                )
+            # The output must be contiguous f32 so that it can alias a torch tensor.
+            if out_t.contents.type != ggml.GGML_TYPE_F32 or not ggml.ggml_is_contiguous(out_t):
+                raise RuntimeError("unexpected ggml output layout")
+            graph = ggml.ggml_new_graph_custom(ctx, _GRAPH_NODES, False)
+            ggml.ggml_build_forward_expand(graph, out_t)
+        except BaseException:
+            ggml.ggml_free(ctx)
+            raise
+        g = _Graph(
+            ctx,
+            ctypes.cast(graph, ctypes.c_void_p).value or 0,
+            w_t.contents,
+            x_t.contents,
+            ids_t.contents if ids_t is not None else None,
+            out_t.contents,
+        )
+        self._graphs[key] = g
+        while len(self._graphs) > _MAX_CACHED_GRAPHS:
+            _, old = self._graphs.popitem(last=False)
+            ggml.ggml_free(old.ctx)
+        return g
+
+
+def _new_tensor(ctx: int, gtype: int, ne: tuple[int, ...]) -> ggml.ggml_tensor_p:
+    if len(ne) == 2:
+        return ggml.ggml_new_tensor_2d(ctx, gtype, ne[0], ne[1])
+    return ggml.ggml_new_tensor_3d(ctx, gtype, ne[0], ne[1], ne[2])
+
+
+def _as_f32(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous float32 CPU tensor (no copy when it already is one)."""
+    # `is`/`is_cpu` rather than `==`/`device.type`: these run per call and the latter cost ~1 us.
+    if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous():
+        x = x.to(device="cpu", dtype=torch.float32).contiguous()
+    return x
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32)
+    if out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous() or out.shape != shape:
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {shape}")
+    return out
