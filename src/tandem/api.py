@@ -13,7 +13,7 @@ import torch
 
 from tandem.errors import TandemError
 from tandem.gguf import GGUFFile, open_gguf
-from tandem.models import read_config
+from tandem.models import architecture
 from tandem.models.config import ModelConfig
 from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
@@ -63,7 +63,8 @@ class LLM:
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
-        self.config: ModelConfig = read_config(self.file)
+        arch = architecture(self.file)
+        self.config: ModelConfig = arch.read_config(self.file)
         for info in self.file.tensors.values():
             check_supported(info.qtype, info.name)
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
@@ -81,7 +82,7 @@ class LLM:
         self.threads = threads or default_threads()
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
-        self.model = DecoderModel(self.config, WeightLoader(self.file, self.plan, self.kernels))
+        self.model = DecoderModel(self.config, WeightLoader(self.file, self.plan, self.kernels), arch.build_block)
         self.n_ctx = n_ctx
         self.engine = Engine(self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch)
 

@@ -39,6 +39,10 @@ class Attention:
     k_norm: torch.Tensor | None = None
     norm_eps: float = 1e-6
 
+    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
+        s = self.shape
+        return LayerKV.allocate(n_ctx, s.n_kv_heads, s.head_dim, s.value_dim, dtype, device)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]

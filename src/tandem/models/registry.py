@@ -1,30 +1,47 @@
-"""Architecture lookup by GGUF `general.architecture`, with a small alias table."""
+"""Architecture lookup by GGUF `general.architecture`, with a small alias table.
+
+Adding a family is adding a file with `read_config` (and, for unusual layers, `build_block`) and
+one line here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tandem.errors import UnsupportedModelError
 from tandem.gguf import GGUFFile
 from tandem.models import gemma3, qwen3, qwen3moe
+from tandem.models.blocks import BlockBuilder, standard_block
 from tandem.models.config import ModelConfig
 
-_READERS: dict[str, Callable[[GGUFFile], ModelConfig]] = {
-    "qwen3": qwen3.read_config,
-    "qwen3moe": qwen3moe.read_config,
-    "gemma3": gemma3.read_config,
+
+@dataclass(frozen=True)
+class Architecture:
+    read_config: Callable[[GGUFFile], ModelConfig]
+    build_block: BlockBuilder = standard_block
+
+
+_ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3": Architecture(qwen3.read_config),
+    "qwen3moe": Architecture(qwen3moe.read_config),
+    "gemma3": Architecture(gemma3.read_config),
 }
 _ALIASES: dict[str, str] = {}
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_READERS))
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_ARCHITECTURES))
 
 
-def read_config(f: GGUFFile) -> ModelConfig:
-    """The ModelConfig of a GGUF file, or a one-line UnsupportedModelError."""
-    arch = _ALIASES.get(f.arch, f.arch)
-    reader = _READERS.get(arch)
-    if reader is None:
+def architecture(f: GGUFFile) -> Architecture:
+    """The Architecture of a GGUF file, or a one-line UnsupportedModelError."""
+    spec = _ARCHITECTURES.get(_ALIASES.get(f.arch, f.arch))
+    if spec is None:
         raise UnsupportedModelError(
             f"{f.path.name}: architecture '{f.arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    return reader(f)
+    return spec
+
+
+def read_config(f: GGUFFile) -> ModelConfig:
+    """The ModelConfig of a GGUF file."""
+    return architecture(f).read_config(f)

@@ -1,8 +1,9 @@
-"""Per-sequence attention state: one K and V buffer per layer, filled position by position."""
+"""Per-sequence state: one LayerState per layer (K/V buffers for attention), filled position by position."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +23,18 @@ class LayerKV:
     k: torch.Tensor
     v: torch.Tensor
 
+    @classmethod
+    def allocate(
+        cls, n_ctx: int, n_kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> LayerKV:
+        return cls(
+            k=torch.zeros(n_ctx, n_kv_heads, k_dim, dtype=dtype, device=device),
+            v=torch.zeros(n_ctx, n_kv_heads, v_dim, dtype=dtype, device=device),
+        )
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
     def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v [T, H_kv, D] at positions start..start+T-1 and return all keys/values so far."""
         end = start + k.shape[0]
@@ -30,35 +43,20 @@ class LayerKV:
         return self.k[:end], self.v[:end]
 
 
+class LayerState(Protocol):
+    """Per-layer sequence state: a KV buffer for attention, conv/recurrent state for linear attention."""
+
+    def nbytes(self) -> int: ...
+
+
 @dataclass
 class KVCache:
-    """The attention state of one sequence."""
+    """The state of one sequence: one LayerState per layer, and the tokens it holds."""
 
-    layers: list[LayerKV]
+    layers: list[Any]
     n_ctx: int
     length: int = 0
     tokens: list[int] = field(default_factory=list)
-
-    @classmethod
-    def allocate(
-        cls,
-        n_layers: int,
-        n_ctx: int,
-        n_kv_heads: list[int],
-        k_dims: list[int],
-        v_dims: list[int],
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> KVCache:
-        """Zeroed buffers for `n_ctx` positions, one pair per layer (heads/dims may differ by layer)."""
-        layers = [
-            LayerKV(
-                k=torch.zeros(n_ctx, n_kv_heads[i], k_dims[i], dtype=dtype, device=device),
-                v=torch.zeros(n_ctx, n_kv_heads[i], v_dims[i], dtype=dtype, device=device),
-            )
-            for i in range(n_layers)
-        ]
-        return cls(layers=layers, n_ctx=n_ctx)
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.n_ctx:
@@ -73,4 +71,4 @@ class KVCache:
         del self.tokens[self.length :]
 
     def nbytes(self) -> int:
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        return sum(layer.nbytes() for layer in self.layers)

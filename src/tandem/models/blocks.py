@@ -1,0 +1,128 @@
+"""Transformer blocks: a token mixer (attention, or linear attention) and a feed-forward part, each
+behind a pre-norm and an optional post-norm. An architecture with unusual layers supplies its own
+`BlockBuilder`; the standard one covers llama-like attention with a dense MLP or routed experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from tandem.layers.activations import activation
+from tandem.layers.attention import Attention, AttentionShape
+from tandem.layers.mlp import GatedMLP
+from tandem.layers.moe import GatedExperts, MoE, SoftmaxTopKRouter
+from tandem.layers.norm import rms_norm
+from tandem.layers.rope import Rope, RopeSpec
+from tandem.models.config import LayerSpec, ModelConfig
+from tandem.runtime.loader import WeightLoader
+
+
+class Mixer(Protocol):
+    """Mixes information across positions; owns the per-layer sequence state it needs."""
+
+    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> Any: ...
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int) -> torch.Tensor: ...
+
+
+@dataclass
+class Block:
+    mixer_norm: torch.Tensor
+    mixer: Mixer
+    post_mixer_norm: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    ffn: Callable[[torch.Tensor], torch.Tensor]
+    post_ffn_norm: torch.Tensor | None
+    eps: float
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int) -> torch.Tensor:
+        h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), positions, state, start)
+        if self.post_mixer_norm is not None:
+            h = rms_norm(h, self.post_mixer_norm, self.eps)
+        x = x + h
+        h = self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        if self.post_ffn_norm is not None:
+            h = rms_norm(h, self.post_ffn_norm, self.eps)
+        return x + h
+
+
+class BlockBuilder(Protocol):
+    def __call__(self, cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader, ropes: RopeCache) -> Block: ...
+
+
+class RopeCache(dict[RopeSpec, Rope]):
+    """One Rope table per distinct RopeSpec, shared by the layers that use it."""
+
+    def get_rope(self, spec: RopeSpec) -> Rope:
+        if spec not in self:
+            self[spec] = Rope(spec)
+        return self[spec]
+
+
+def standard_attention(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader, ropes: RopeCache) -> Attention:
+    """Llama-like GQA attention of layer i, with the optional q/k norms of the config."""
+    p = f"blk.{i}."
+    shape = AttentionShape(
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        value_dim=cfg.value_dim,
+        scale=cfg.attn_scale,
+        sliding_window=spec.sliding_window,
+        softcap=cfg.attn_logit_softcap,
+    )
+    return Attention(
+        shape=shape,
+        q=loader.linear(p + "attn_q.weight"),
+        k=loader.linear(p + "attn_k.weight"),
+        v=loader.linear(p + "attn_v.weight"),
+        o=loader.linear(p + "attn_output.weight"),
+        rope=ropes.get_rope(spec.rope),
+        q_norm=loader.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+        k_norm=loader.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None,
+        norm_eps=cfg.rms_eps,
+    )
+
+
+def standard_ffn(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader) -> GatedMLP | MoE:
+    """A dense gated MLP, or softmax-top-k routed gated experts when the layer is MoE."""
+    p = f"blk.{i}."
+    act = activation(cfg.activation)
+    if not spec.moe:
+        return GatedMLP(
+            gate=loader.linear(p + "ffn_gate.weight"),
+            up=loader.linear(p + "ffn_up.weight"),
+            down=loader.linear(p + "ffn_down.weight"),
+            act=act,
+        )
+    assert cfg.moe is not None  # guaranteed by ModelConfig.__post_init__
+    return MoE(
+        router=SoftmaxTopKRouter(
+            proj=loader.linear(p + "ffn_gate_inp.weight"), n_active=cfg.moe.n_active, renormalize=cfg.moe.renormalize
+        ),
+        experts=GatedExperts(
+            gate=loader.experts(p + "ffn_gate_exps.weight"),
+            up=loader.experts(p + "ffn_up_exps.weight"),
+            down=loader.experts(p + "ffn_down_exps.weight"),
+            act=act,
+        ),
+    )
+
+
+def standard_block(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader, ropes: RopeCache) -> Block:
+    """Pre-norm attention + FFN; Gemma-style post-norms when the config asks for sandwich norms."""
+    p = f"blk.{i}."
+    sandwich = cfg.sandwich_norms
+    return Block(
+        mixer_norm=loader.vector(p + "attn_norm.weight"),
+        mixer=standard_attention(cfg, i, spec, loader, ropes),
+        post_mixer_norm=loader.vector(p + "post_attention_norm.weight") if sandwich else None,
+        ffn_norm=loader.vector(p + "ffn_norm.weight"),
+        ffn=standard_ffn(cfg, i, spec, loader),
+        post_ffn_norm=loader.vector(p + "post_ffw_norm.weight") if sandwich else None,
+        eps=cfg.rms_eps,
+    )
