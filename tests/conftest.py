@@ -6,7 +6,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tiny_gemma3, make_tiny_qwen3, make_tiny_qwen3moe
+from tiny_models import (
+    make_tiny_gemma3,
+    make_tiny_gemma4,
+    make_tiny_gpt_oss,
+    make_tiny_qwen3,
+    make_tiny_qwen3moe,
+    make_tiny_qwen3next,
+    make_tiny_qwen35moe,
+)
 
 from tandem.convert import convert_hf
 
@@ -33,3 +41,42 @@ def tiny_qwen3moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 def tiny_gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(HF checkpoint dir, F32 GGUF path) of a tiny random Gemma3ForCausalLM (sliding window 16)."""
     return _build(tmp_path_factory, "tiny_gemma3", make_tiny_gemma3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(HF checkpoint dir, F32 GGUF path) of a tiny random Qwen3_5MoeForCausalLM (delta-net + gated attention
+    layers, 8 experts top-2 + shared expert, 4 value heads on 2 key heads)."""
+    return _build(tmp_path_factory, "tiny_qwen35moe", make_tiny_qwen35moe)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3next_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(HF checkpoint dir, F32 GGUF path) of a tiny random Qwen3NextForCausalLM (same shape as the Qwen3.5 one)."""
+    return _build(tmp_path_factory, "tiny_qwen3next", make_tiny_qwen3next)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(HF checkpoint dir, F32 GGUF path) of a tiny random GptOssForCausalLM (plain rope, sliding window 8,
+    4 experts top-2, random biases and sinks)."""
+    return _build(tmp_path_factory, "tiny_gpt_oss", make_tiny_gpt_oss)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_yarn_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same tiny gpt-oss with gpt-oss's YaRN rope (compared with llama.cpp, not transformers)."""
+    return _build(tmp_path_factory, "tiny_gpt_oss_yarn", lambda d: make_tiny_gpt_oss(d, yarn=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(HF checkpoint dir, F32 GGUF path) of a tiny random Gemma4ForCausalLM MoE (sliding and global layers
+    with their own head sizes, K = V on global layers, dense MLP beside 4 experts top-2)."""
+    return _build(tmp_path_factory, "tiny_gemma4", make_tiny_gemma4)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same tiny gpt-oss with its experts stored as MXFP4 blocks/scales (repacked, not requantized)."""
+    return _build(tmp_path_factory, "tiny_gpt_oss_mxfp4", lambda d: make_tiny_gpt_oss(d, mxfp4=True))

@@ -14,8 +14,10 @@ import torch
 
 import tandem
 
-ARCH_FIXTURES = ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf"]
-PROMPT_LENGTHS = [1, 7, 23, 48]  # the tiny Gemma's sliding window is shorter than the longer ones
+ARCH_FIXTURES = ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf", "tiny_qwen35moe_gguf",
+                 "tiny_qwen3next_gguf", "tiny_gpt_oss_gguf", "tiny_gemma4_gguf"]
+# the tiny Gemma's sliding window (16) is shorter than the longer ones; 80 spans two delta-net chunks (64)
+PROMPT_LENGTHS = [1, 7, 23, 48, 80]
 # f32 weights, f32 cache: what remains is summation order (ggml vs. torch): measured <= 3e-6.
 MAX_ABS_DIFF = 2e-5
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +12,14 @@ import psutil
 import torch
 
 from tandem.errors import TandemError
-from tandem.gguf import GGUFFile, open_gguf
+from tandem.gguf import GGUFFile, TensorInfo, open_gguf
 from tandem.models import architecture
 from tandem.models.config import ModelConfig
 from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
-from tandem.runtime.devices import check_executable
+from tandem.runtime.devices import DTYPES, check_executable, default_device
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.kv_cache import CACHE_DTYPES
@@ -41,13 +41,28 @@ def default_threads() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+def _progress(plan: PlacementPlan, callback: Callable[[int, int], None] | None) -> Callable[[TensorInfo], None] | None:
+    """Adapt a (done_bytes, total_bytes) callback to the loader's per-tensor hook."""
+    if callback is None:
+        return None
+    total = sum(plan.weight_bytes.values())
+    done = 0
+
+    def on_tensor(info: TensorInfo) -> None:
+        nonlocal done
+        done += info.n_bytes
+        callback(min(done, total), total)
+
+    return on_tensor
+
+
 class LLM:
     """A loaded model with one sequence of state (KV cache)."""
 
     def __init__(
         self,
         path: str | os.PathLike[str] | None = None,
-        device: str = "cpu",
+        device: str | None = None,
         n_ctx: int = 4096,
         threads: int | None = None,
         cache_type: str = "f16",
@@ -57,7 +72,15 @@ class LLM:
         override_tensor: Sequence[str] | None = None,
         gpu_memory: str | int | None = None,
         tp: int = 1,
+        dtype: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
+        """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
+
+        device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible). dtype: compute type on
+        the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32. progress(done, total) is
+        called with bytes as tensors are loaded.
+        """
         if n_ctx <= 0:
             raise TandemError(f"n_ctx must be positive, got {n_ctx}")
         if cache_type not in CACHE_DTYPES:
@@ -68,8 +91,10 @@ class LLM:
         for info in self.file.tensors.values():
             check_supported(info.qtype, info.name)
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+        if dtype is not None and dtype not in DTYPES:
+            raise TandemError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
         request = PlacementRequest.from_flags(
-            device=device,
+            device=device or default_device(),
             cpu_moe=cpu_moe,
             n_cpu_moe=n_cpu_moe,
             override_tensor=list(override_tensor or []),
@@ -82,9 +107,20 @@ class LLM:
         self.threads = threads or default_threads()
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
-        self.model = DecoderModel(self.config, WeightLoader(self.file, self.plan, self.kernels), arch.build_block)
+        on_tensor = _progress(self.plan, progress)
+        loader = WeightLoader(self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor)
+        self.model = DecoderModel(self.config, loader, arch.build_block)
+        self.placed: dict[str, str] = loader.placed()
+        self.notices: list[str] = loader.notices()
         self.n_ctx = n_ctx
         self.engine = Engine(self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch)
+
+    def placement_summary(self) -> dict[str, int]:
+        """Bytes of weights per device, read back from where the loaded tensors actually are."""
+        totals: dict[str, int] = {}
+        for name, device in self.placed.items():
+            totals[device] = totals.get(device, 0) + self.file.tensors[name].n_bytes
+        return totals
 
     # -- tokens ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -97,7 +133,7 @@ class LLM:
         """float32 logits [len(ids), n_vocab] of a fresh sequence."""
         if not ids:
             raise TandemError("logits() needs at least one token")
-        return self.engine.all_logits(list(ids)).float().numpy()
+        return self.engine.all_logits(list(ids)).float().cpu().numpy()
 
     # -- generation -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

@@ -43,12 +43,20 @@ def time_prefill_decode(llm: LLM, pp: int, tg: int, seed: int) -> tuple[float, f
     engine.reset()
     start = time.perf_counter()
     logits = engine.append(prompt)
+    _sync(logits)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(tg):
         logits = engine.append([int(torch.argmax(logits))])
+    _sync(logits)
     decode_s = time.perf_counter() - start
     return prefill_s, decode_s
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Wait for the device: CUDA work is asynchronous, a timer must not stop before it ends."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def run_bench(llm: LLM, model_name: str, load_s: float, pp: int, tg: int, reps: int) -> BenchResult:
@@ -62,7 +70,7 @@ def run_bench(llm: LLM, model_name: str, load_s: float, pp: int, tg: int, reps: 
     return BenchResult(
         model=model_name,
         arch=llm.config.arch,
-        device="cpu",
+        device=str(llm.plan.compute_device),
         threads=llm.threads,
         pp_tokens=pp,
         tg_tokens=tg,

@@ -13,20 +13,70 @@ from tandem.api import LLM, default_model_path
 from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
-from tandem.placement import PlacementRequest, RuntimeShape, plan_placement
+from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.runtime.devices import default_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
 
 
 def _load(args: argparse.Namespace) -> LLM:
-    return LLM(
-        args.model,
-        device=args.device,
-        n_ctx=args.ctx_size,
-        threads=args.threads,
-        cache_type=args.cache_type,
-        n_batch=args.batch_size,
-        **_placement(args),
-    )
+    """Load with a progress bar for large files, then say where the weights actually are."""
+    path = args.model or default_model_path()
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    with _LoadProgress(size) as bar:
+        llm = LLM(
+            path,
+            dtype=args.dtype,
+            progress=bar.update,
+            device=args.device,
+            n_ctx=args.ctx_size,
+            threads=args.threads,
+            cache_type=args.cache_type,
+            n_batch=args.batch_size,
+            **_placement(args),
+        )
+    print(_placement_line(llm), file=sys.stderr)
+    for notice in llm.notices:
+        print(f"notice: {notice}", file=sys.stderr)
+    return llm
+
+
+def _placement_line(llm: LLM) -> str:
+    """What was placed where, read back from the loaded tensors (not from the flags)."""
+    totals = llm.placement_summary()
+    parts = ", ".join(f"{device} {n / 2**20:,.0f} MiB" for device, n in sorted(totals.items()))
+    offloaded = [n for n, d in llm.placed.items() if d == "cpu" and expert_layer(n) is not None]
+    line = f"weights: {parts}"
+    if offloaded and any(d != "cpu" for d in totals):
+        line += f"; {len(offloaded)} expert tensors in host RAM (CPU experts)"
+    return line
+
+
+class _LoadProgress:
+    """A rich progress bar while a large file loads; silent for small files or a non-terminal."""
+
+    THRESHOLD = 1 << 30
+
+    def __init__(self, file_bytes: int) -> None:
+        self.enabled = file_bytes >= self.THRESHOLD and sys.stderr.isatty()
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> _LoadProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+            self._progress = Progress(TextColumn("loading"), BarColumn(), DownloadColumn(), transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task("load", total=None)
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
 
 
 def _placement(args: argparse.Namespace) -> dict[str, object]:
@@ -110,7 +160,7 @@ def inspect(args: argparse.Namespace) -> int:
     """A dry run: metadata, quant mix and the placement plan, without reading weights or a GPU."""
     f = open_gguf(args.model or default_model_path())
     cfg = read_config(f)
-    request = PlacementRequest.from_flags(device=args.device, **_placement(args))
+    request = PlacementRequest.from_flags(device=args.device or default_device(), **_placement(args))
     shape = RuntimeShape(
         n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize
     )
@@ -220,23 +270,47 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def synth(args: argparse.Namespace) -> int:
+    """Write a random model with the shapes of a real one (`tandem synth --like NAME -o out.gguf`)."""
+    from tandem.synth.writer import synthesize
+
+    r = synthesize(
+        args.like, Path(args.outfile), layers=args.layers, quant=args.quant, seed=args.seed, overwrite=args.overwrite
+    )
+    rate = r.file_bytes / max(r.seconds, 1e-9) / 1e6
+    print(
+        f"wrote {r.path}: {r.plan.preset.name}, {r.plan.n_layers} layers, {r.plan.mix}, "
+        f"{r.plan.n_params / 1e9:.2f}B parameters, {r.file_bytes / 2**30:.2f} GiB "
+        f"in {r.seconds:.1f} s ({rate:.0f} MB/s)"
+    )
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
+    if args.compare or args.report:
+        # Worker processes per engine x placement, a report that survives failures: tandem/bench/compare.py.
+        from tandem.bench.compare import run_from_args
+
+        return run_from_args(args)
     from tandem.bench.runner import run_bench
 
-    if args.pp <= 0 or args.tg <= 0 or args.reps <= 0:
+    pp_sizes = args.pp if isinstance(args.pp, list) else [args.pp]
+    if min(pp_sizes) <= 0 or args.tg <= 0 or args.reps <= 0:
         raise TandemError("--pp, --tg and --reps must be positive")
-    if args.pp + args.tg > args.ctx_size:
-        raise TandemError(f"--pp {args.pp} + --tg {args.tg} exceed the context size {args.ctx_size} (-c)")
+    if max(pp_sizes) + args.tg > args.ctx_size:
+        raise TandemError(f"--pp {max(pp_sizes)} + --tg {args.tg} exceed the context size {args.ctx_size} (-c)")
     start = time.perf_counter()
     llm = _load(args)
     load_s = time.perf_counter() - start
     try:
-        result = run_bench(llm, Path(llm.file.path).name, load_s, args.pp, args.tg, args.reps)
+        results = [run_bench(llm, Path(llm.file.path).name, load_s, pp, args.tg, args.reps) for pp in pp_sizes]
     finally:
         llm.close()
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
-    else:
+        dicts = [r.as_dict() for r in results]
+        print(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
+        return 0
+    for result in results:
         print(
             f"{result.model} ({result.arch}) {result.device}, {result.threads} threads\n"
             f"  prefill pp{result.pp_tokens}: {result.pp_tok_s:9.1f} tok/s\n"

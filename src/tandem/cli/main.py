@@ -23,7 +23,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="compute device: cpu (default), cuda, cuda:K")
+    p.add_argument("--device", default=None, help="compute device: cpu, cuda, cuda:K (default: cuda if visible)")
     p.add_argument("--cpu-moe", action="store_true", help="keep every routed-expert tensor on the CPU")
     p.add_argument("--n-cpu-moe", type=int, default=0, metavar="N", help="keep the experts of layers 0..N-1 on the CPU")
     p.add_argument(
@@ -41,6 +41,9 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
         help="VRAM budget (e.g. 24GiB): fit weights, KV cache and experts into it",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    p.add_argument(
+        "--dtype", default=None, choices=["bf16", "f16", "f32"], help="GPU compute type (default bf16; CPU: f32)"
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -52,6 +55,37 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back on (default 64)")
     p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _int_list(text: str) -> list[int]:
+    """'512,2048' -> [512, 2048]."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _add_compare_flags(p: argparse.ArgumentParser) -> None:
+    # `tandem bench --compare llamacpp --report DIR`: each run in a worker process (src/tandem/bench/compare.py).
+    p.add_argument("--compare", choices=["llamacpp"], default=None, help="also run llama.cpp, same placement")
+    p.add_argument("--report", metavar="DIR", default=None, help="write DIR/report.{json,md,png}")
+    p.add_argument(
+        "--matrix",
+        default=None,
+        metavar="LIST",
+        help="placements to run, e.g. all,cpu-moe,n-cpu-moe=half (default: the placement flags given)",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per worker run (default 1800)")
+    p.add_argument("--budget", type=float, default=None, metavar="S", help="start no run after S seconds in all")
+    p.add_argument(
+        "--peer-lib",
+        default=None,
+        metavar="DIR",
+        help="llama-cpp-python install (default $TANDEM_LLAMACPP_LIB or ~/.cache/tandem/peers/llama_cpp_{cuda,cpu})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,12 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--outtype", default="f16", choices=["f32", "f16", "q8_0"])
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output file")
 
-    bench = sub.add_parser("bench", help="prefill and decode tokens/s and peak memory")
+    from tandem.synth.presets import PRESETS  # names only: cheap
+
+    synth = sub.add_parser("synth", help="write a random model with a real model's shapes (speed tests)")
+    synth.add_argument("--like", required=True, metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
+    synth.add_argument("-o", "--outfile", required=True, help="output .gguf path")
+    synth.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all)")
+    synth.add_argument("--quant", default="Q4_K_M", help="type mix: Q4_K_M (default), Q8_0 or F16")
+    synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synth.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+
+    bench = sub.add_parser("bench", help="prefill and decode tokens/s, peak memory; --compare llamacpp")
     _add_model_flags(bench)
-    bench.add_argument("--pp", type=int, default=128, help="prompt tokens to prefill (default 128)")
+    bench.add_argument(
+        "--pp", type=_int_list, default=[128], help="prompt tokens to prefill, comma-separated sizes (default 128)"
+    )
     bench.add_argument("--tg", type=int, default=64, help="tokens to generate (default 64)")
     bench.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported (default 3)")
     bench.add_argument("--json", action="store_true", help="print JSON")
+    _add_compare_flags(bench)
     return parser
 
 
@@ -105,6 +152,7 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
         "chat": commands.chat,
         "inspect": commands.inspect,
         "convert": commands.convert,
+        "synth": commands.synth,
         "bench": commands.bench,
     }
 

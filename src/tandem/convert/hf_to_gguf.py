@@ -1,6 +1,9 @@
 """Convert a Hugging Face checkpoint (config.json + *.safetensors + tokenizer) to a GGUF file.
 
-Supported: Qwen3ForCausalLM -> `qwen3`, Qwen3MoeForCausalLM -> `qwen3moe`, Gemma3ForCausalLM -> `gemma3`.
+Supported: Qwen3ForCausalLM -> `qwen3`, Qwen3MoeForCausalLM -> `qwen3moe`, Gemma3ForCausalLM -> `gemma3`,
+Qwen3_5MoeForCausalLM -> `qwen35moe` and Qwen3NextForCausalLM -> `qwen3next` (their specifics: qwen35moe.py),
+GptOssForCausalLM -> `gpt-oss` (gpt_oss.py), Gemma4ForCausalLM / Gemma4ForConditionalGeneration -> `gemma4`
+(gemma4.py; those two plug in through arch_hooks.py).
 The output follows llama.cpp's `convert_hf_to_gguf.py`: the same tensor names (from `gguf`'s name maps),
 the same metadata keys, experts stacked into `blk.N.ffn_{gate,up,down}_exps.weight` of shape
 [n_expert, rows, cols], Gemma's RMSNorm weights stored as (1 + w), 1-D tensors, norms and the MoE router
@@ -23,6 +26,9 @@ from typing import Any
 import gguf
 import numpy as np
 
+from tandem.convert import gemma4, gpt_oss
+from tandem.convert import qwen35moe as hybrid
+from tandem.convert.arch_hooks import ArchHooks, PlanContext
 from tandem.convert.vocab import Vocab, load_bpe_vocab, load_spm_vocab, write_vocab
 from tandem.errors import ConversionError
 
@@ -41,6 +47,7 @@ class _ArchSpec:
     vocab_kind: str  # "bpe" (tokenizer.json) or "spm" (tokenizer.model)
     norm_shift: float  # added to every HF `*norm.weight` (Gemma's RMSNorm computes x * (1 + w))
     activation: tuple[str, str]  # (config key, required value)
+    hooks: ArchHooks | None = None  # families with their own tensor layout / metadata (convert/arch_hooks.py)
 
 
 ARCHITECTURES: dict[str, _ArchSpec] = {
@@ -49,13 +56,20 @@ ARCHITECTURES: dict[str, _ArchSpec] = {
     "Gemma3ForCausalLM": _ArchSpec(
         gguf.MODEL_ARCH.GEMMA3, "spm", 1.0, ("hidden_activation", "gelu_pytorch_tanh")
     ),
+    # Qwen's zero-centred RMSNorm computes x * (1 + w) (all but the delta-net's gated norm: convert/qwen35moe.py)
+    "Qwen3_5MoeForCausalLM": _ArchSpec(gguf.MODEL_ARCH.QWEN35MOE, "bpe", 1.0, ("hidden_act", "silu")),
+    "Qwen3NextForCausalLM": _ArchSpec(gguf.MODEL_ARCH.QWEN3NEXT, "bpe", 1.0, ("hidden_act", "silu")),
+    "GptOssForCausalLM": _ArchSpec(gguf.MODEL_ARCH.GPT_OSS, "bpe", 0.0, ("hidden_act", "silu"), gpt_oss.HOOKS),
+    **dict.fromkeys(("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), _ArchSpec(
+        gguf.MODEL_ARCH.GEMMA4, "gemma4", 0.0, ("hidden_activation", "gelu_pytorch_tanh"), gemma4.HOOKS)),
 }
 
 # ---------------------------------------------------------------------------------------------------------
 # safetensors (read directly: 8-byte header length, JSON header, raw little-endian data)
 # ---------------------------------------------------------------------------------------------------------
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+              "U8": np.uint8}  # U8: packed quantized data (gpt-oss's MXFP4 experts), read with _Loader.raw
 
 
 @dataclass(frozen=True)
@@ -128,6 +142,13 @@ class _Loader:
             return (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(np.float32)
 
+    def raw(self, t: _STensor) -> np.ndarray:
+        """The stored array as it is (no conversion to float32)."""
+        mm = self._maps.get(t.file)
+        if mm is None:
+            mm = self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
+        return np.asarray(mm[t.start : t.end]).view(_ST_DTYPES[t.dtype]).reshape(t.shape)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # tensor plan
@@ -140,6 +161,7 @@ class _Planned:
     shape: tuple[int, ...]  # PyTorch order (outermost first)
     qtype: Q
     load: Callable[[], np.ndarray]  # float32 data with every transform applied
+    raw: bool = False  # `load` gives the finished `qtype` bytes (already quantized): written as they are
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +194,9 @@ def _plan_tensors(
     arch_name = gguf.MODEL_ARCH_NAMES[spec.arch]
     router_tmpl = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP]
     router_names = {router_tmpl.format(bid=b) + ".weight" for b in range(n_layer)}
+    # llama.cpp keeps these F32 too: the shared-expert gate and the delta-net conv kernel
+    router_names |= {gguf.TENSOR_NAMES[t].format(bid=b) + ".weight" for b in range(n_layer)
+                     for t in (gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.SSM_CONV1D)}  # fmt: skip
     embd_names = {gguf.TENSOR_NAMES[t] + ".weight" for t in (gguf.MODEL_TENSOR.TOKEN_EMBD,
                                                              gguf.MODEL_TENSOR.OUTPUT)}
     load = _Loader()
@@ -187,7 +212,10 @@ def _plan_tensors(
             raise ConversionError(f"cannot map tensor '{hf_name}' to a {arch_name} GGUF tensor")
         return new
 
-    def add(new: str, shape: tuple[int, ...], fn: Callable[[], np.ndarray]) -> None:
+    def add(new: str, shape: tuple[int, ...], fn: Callable[[], np.ndarray], raw_qtype: Q | None = None) -> None:
+        if raw_qtype is not None:  # pre-quantized bytes from an arch hook
+            planned.append(_Planned(new, shape, raw_qtype, fn, raw=True))
+            return
         if new in embd_names:
             if shape[0] < n_vocab:
                 raise ConversionError(f"'{new}' has {shape[0]} rows but the tokenizer has {n_vocab} tokens")
@@ -195,8 +223,11 @@ def _plan_tensors(
                 shape, fn = (n_vocab, *shape[1:]), (lambda f=fn: f()[:n_vocab])
         planned.append(_Planned(new, shape, _pick_qtype(new, shape, want, router_names), fn))
 
+    ctx = PlanContext(cfg=cfg, load=load, name_of=hf_to_gguf_name, add=add, tensors=tensors, load_raw=load.raw)
     for hf_name, t in tensors.items():
         if hf_name.endswith(_SKIP_SUFFIXES) or (hf_name == "lm_head.weight" and skip_lm_head):
+            continue
+        if spec.hooks is not None and spec.hooks.tensor(hf_name, t, ctx):
             continue
         if m := _EXPERT_RE.match(hf_name):
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = t
@@ -204,12 +235,20 @@ def _plan_tensors(
         if m := _FUSED_RE.match(hf_name):
             _plan_fused(int(m[1]), m[2], t, load, hf_to_gguf_name, add)
             continue
+        if spec.arch in hybrid.HYBRID_ARCHES and (
+            special := hybrid.plan_tensor(spec.arch, cfg, hf_name, t.shape, lambda t=t: load(t))
+        ) is not None:
+            for new, shape, fn in special:
+                add(new, shape, fn)
+            continue
         if spec.norm_shift and hf_name.endswith("norm.weight"):
             fn = lambda t=t: load(t) + np.float32(spec.norm_shift)  # noqa: E731
         else:
             fn = lambda t=t: load(t)  # noqa: E731
         add(hf_to_gguf_name(hf_name), t.shape, fn)
 
+    if spec.hooks is not None:
+        spec.hooks.extra_tensors(ctx)
     n_expert = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     for (bid, w), by_id in sorted(experts.items()):
         if sorted(by_id) != list(range(n_expert)):
@@ -323,6 +362,9 @@ def swa_period(is_swa: list[bool]) -> int | None:
 def _write_hparams(
     w: gguf.GGUFWriter, spec: _ArchSpec, cfg: dict[str, Any], ftype: gguf.LlamaFileType
 ) -> None:
+    if spec.hooks is not None:
+        spec.hooks.write_hparams(w, cfg, ftype)
+        return
     gemma = spec.arch == gguf.MODEL_ARCH.GEMMA3
     arch_name = gguf.MODEL_ARCH_NAMES[spec.arch]
     # defaults where config.json may omit a value: llama.cpp's for Gemma 3, transformers' for Qwen 3
@@ -333,7 +375,8 @@ def _write_hparams(
     if gemma or "max_position_embeddings" in cfg:
         w.add_context_length(int(cfg.get("max_position_embeddings", 131072)))
     w.add_embedding_length(int(cfg["hidden_size"]))
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    if "intermediate_size" in cfg:  # Qwen3.5-MoE has none
+        w.add_feed_forward_length(int(cfg["intermediate_size"]))
     w.add_head_count(n_head)
     w.add_head_count_kv(int(cfg.get("num_key_value_heads") or (4 if gemma else n_head)))
     w.add_key_length(head_dim)
@@ -352,6 +395,8 @@ def _write_hparams(
         # llama.cpp's qwen3moe graph always renormalizes the top-k weights and ignores this key; it is
         # recorded so that a reader can tell a norm_topk_prob=False checkpoint apart.
         w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", True)))
+    elif spec.arch in hybrid.HYBRID_ARCHES:
+        hybrid.write_hparams(w, spec.arch, cfg)
     elif cfg.get("use_sliding_window"):
         raise ConversionError(f"{arch_name} with use_sliding_window=true is unsupported")
 
@@ -396,6 +441,8 @@ def _load_config(hf_dir: Path) -> tuple[dict[str, Any], _ArchSpec, str]:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConversionError(f"{path}: cannot read JSON ({e})") from None
+    if isinstance(cfg.get("text_config"), dict):  # multimodal checkpoints: the text model's keys at the top
+        cfg = {**cfg, **cfg["text_config"]}
     archs = cfg.get("architectures") or []
     hf_arch = archs[0] if archs else None
     if hf_arch not in ARCHITECTURES:
@@ -407,13 +454,18 @@ def _load_config(hf_dir: Path) -> tuple[dict[str, Any], _ArchSpec, str]:
     got = cfg.get(key, want)
     if got != want:
         raise ConversionError(f"{hf_arch} with {key}={got!r} is unsupported (expected {want!r})")
-    for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size"):
+    hybrid_arch = spec.arch in hybrid.HYBRID_ARCHES
+    for k in ("num_hidden_layers", "hidden_size", "vocab_size") + (() if hybrid_arch else ("intermediate_size",)):
         if not isinstance(cfg.get(k), int):
             raise ConversionError(f"{path}: '{k}' is missing or not an integer")
+    if hybrid_arch:
+        hybrid.check_config(cfg)
     return cfg, spec, hf_arch
 
 
 def _load_vocab(spec: _ArchSpec, cfg: dict[str, Any], hf_dir: Path) -> Vocab:
+    if spec.hooks is not None and (vocab := spec.hooks.load_vocab(cfg, hf_dir)) is not None:
+        return vocab
     if spec.vocab_kind == "bpe":
         # Qwen's pre-tokenizer regex; llama.cpp identifies it by hashing a probe text, we know it by arch
         return load_bpe_vocab(hf_dir, int(cfg["vocab_size"]), pre="qwen2")
@@ -459,6 +511,8 @@ def convert_hf(hf_dir: Path, out_path: Path, outtype: str = "f16", *, overwrite:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _write_hparams(writer, spec, cfg, ftype)
         write_vocab(writer, vocab, hf_dir)
+        if spec.hooks is not None:
+            spec.hooks.after_vocab(writer, vocab)
         if spec.arch == gguf.MODEL_ARCH.GEMMA3:
             writer.add_add_space_prefix(False)
         for p in planned:
@@ -469,7 +523,7 @@ def convert_hf(hf_dir: Path, out_path: Path, outtype: str = "f16", *, overwrite:
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for p in planned:
-            data = gguf.quants.quantize(p.load(), p.qtype)
+            data = p.load() if p.raw else gguf.quants.quantize(p.load(), p.qtype)
             if data.nbytes != p.nbytes:  # a bug, not bad input: the plan disagrees with the data
                 raise ConversionError(f"internal error: '{p.name}' is {data.nbytes} B, planned {p.nbytes} B")
             writer.write_tensor_data(data)

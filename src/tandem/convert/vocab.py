@@ -228,7 +228,7 @@ def write_vocab(writer: gguf.GGUFWriter, vocab: Vocab, hf_dir: Path) -> None:
     if vocab.scores is not None:
         writer.add_token_scores(vocab.scores)
     writer.add_token_types(vocab.toktypes)
-    bpe = vocab.model == "gpt2"
+    bpe = vocab.model in ("gpt2", "gemma4")  # gemma4: llama.cpp's BPE over raw UTF-8 with byte fallback
     special = gguf.SpecialVocab(hf_dir, load_merges=bpe, n_vocab=len(vocab.tokens))
     if bpe and not special.merges:
         raise ConversionError(f"{hf_dir}: tokenizer.json has no BPE merges")

@@ -34,20 +34,22 @@ class Block:
     mixer_norm: torch.Tensor
     mixer: Mixer
     post_mixer_norm: torch.Tensor | None
-    ffn_norm: torch.Tensor
+    ffn_norm: torch.Tensor | None  # None: the FFN gets the residual stream itself (and norms it inside)
     ffn: Callable[[torch.Tensor], torch.Tensor]
     post_ffn_norm: torch.Tensor | None
     eps: float
+    out_scale: torch.Tensor | None = None  # multiplies the block's output (Gemma 4's layer scalar)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int) -> torch.Tensor:
         h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), positions, state, start)
         if self.post_mixer_norm is not None:
             h = rms_norm(h, self.post_mixer_norm, self.eps)
         x = x + h
-        h = self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        h = self.ffn(x if self.ffn_norm is None else rms_norm(x, self.ffn_norm, self.eps))
         if self.post_ffn_norm is not None:
             h = rms_norm(h, self.post_ffn_norm, self.eps)
-        return x + h
+        x = x + h
+        return x if self.out_scale is None else x * self.out_scale
 
 
 class BlockBuilder(Protocol):
@@ -104,11 +106,14 @@ def standard_ffn(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader
         router=SoftmaxTopKRouter(
             proj=loader.linear(p + "ffn_gate_inp.weight"), n_active=cfg.moe.n_active, renormalize=cfg.moe.renormalize
         ),
-        experts=GatedExperts(
-            gate=loader.experts(p + "ffn_gate_exps.weight"),
-            up=loader.experts(p + "ffn_up_exps.weight"),
-            down=loader.experts(p + "ffn_down_exps.weight"),
-            act=act,
+        experts=loader.routed_experts(
+            i,
+            lambda src: GatedExperts(
+                gate=src.experts(p + "ffn_gate_exps.weight"),
+                up=src.experts(p + "ffn_up_exps.weight"),
+                down=src.experts(p + "ffn_down_exps.weight"),
+                act=act,
+            ),
         ),
     )
 

@@ -20,6 +20,7 @@ class DecoderModel:
 
     def __init__(self, cfg: ModelConfig, loader: WeightLoader, build_block: BlockBuilder = standard_block) -> None:
         self.cfg = cfg
+        self.device = loader.compute_device
         self.embed: QuantEmbedding = loader.embedding("token_embd.weight")
         self.output_norm = loader.vector("output_norm.weight")
         # Tied embeddings: the output head reads the embedding table when there is no `output`.
@@ -34,7 +35,7 @@ class DecoderModel:
         t = ids.shape[0]
         cache.check_room(t)
         start = cache.length
-        positions = torch.arange(start, start + t)
+        positions = torch.arange(start, start + t, device=self.device)
         x = self.embed(ids) * self.cfg.embed_scale  # [T, D]
         for block, kv in zip(self.blocks, cache.layers, strict=True):
             x = block(x, positions, kv, start)
@@ -48,6 +49,6 @@ class DecoderModel:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def new_cache(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-        """Fresh sequence state: each block's mixer allocates what it needs."""
-        return KVCache(layers=[b.mixer.new_state(n_ctx, dtype, device) for b in self.blocks], n_ctx=n_ctx)
+    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
+        """Fresh sequence state on the compute device: each block's mixer allocates what it needs."""
+        return KVCache(layers=[b.mixer.new_state(n_ctx, dtype, self.device) for b in self.blocks], n_ctx=n_ctx)

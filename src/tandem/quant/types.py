@@ -29,6 +29,19 @@ SUPPORTED_TYPES: frozenset[Q] = frozenset(
 )
 
 
+# Types the GPU kernels read in their block form; other types are dequantized at load on the GPU.
+GPU_NATIVE_TYPES: frozenset[Q] = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# Types kept as they are on the GPU (plain floats).
+GPU_FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
+
+
+def gpu_resident_bytes(qtype: Q, n_elements: int, file_bytes: int, dtype_bytes: int) -> int:
+    """VRAM a tensor takes on the GPU: its file bytes when kept as blocks or floats, else dequantized."""
+    if qtype in GPU_NATIVE_TYPES or qtype in GPU_FLOAT_TYPES:
+        return file_bytes
+    return n_elements * dtype_bytes
+
+
 def block_geometry(qtype: Q) -> tuple[int, int]:
     """(elements per block, bytes per block) of a ggml type."""
     return GGML_QUANT_SIZES[qtype]

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import torch
+
 from tandem.errors import PlacementError
 from tandem.placement import PlacementPlan
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def default_device() -> str:
+    """`cuda` when a GPU is visible, else `cpu`."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_executable(plan: PlacementPlan) -> None:
@@ -11,10 +20,26 @@ def check_executable(plan: PlacementPlan) -> None:
     req = plan.request
     if req.tp > 1:
         raise PlacementError(f"--tp {req.tp}: tensor-parallel execution is not built yet; use --tp 1")
-    used = set(plan.devices.values()) | {req.device}
-    gpus = sorted(d for d in used if d != "cpu")
-    if gpus:
+    gpus = sorted({d for d in plan.devices.values() if d != "cpu"} | ({req.device} - {"cpu"}))
+    if not gpus:
+        return
+    if req.device == "cpu":
         raise PlacementError(
-            f"--device/-ot {gpus[0]}: CUDA execution is not built yet; use --device cpu "
-            f"(`tandem inspect` can still show a GPU plan as a dry run)"
+            f"-ot/--override-tensor {gpus[0]}: with --device cpu every tensor must stay on the CPU; "
+            f"use --device cuda to compute on the GPU"
         )
+    if not torch.cuda.is_available():
+        raise PlacementError(f"--device {req.device}: no CUDA device is visible; use --device cpu")
+    count = torch.cuda.device_count()
+    for d in gpus:
+        if int(d.split(":")[1]) >= count:
+            raise PlacementError(f"--device/-ot {d}: only {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})")
+    if len(gpus) > 1 or gpus[0] != req.device:
+        raise PlacementError(
+            f"-ot/--override-tensor {', '.join(gpus)}: tensors on a GPU other than --device {req.device} need "
+            f"tensor parallelism (--tp), which is not built yet"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise PlacementError(f"--device {req.device}: the GPU kernels need triton; pip install triton") from None

@@ -24,7 +24,10 @@ class Engine:
         """Make the sequence equal to `ids` and return the logits [V] after its last token.
 
         The longest prefix already in the cache is kept (multi-turn chat does not recompute it);
-        at least the last token is recomputed, since its logits are needed.
+        at least the last token is recomputed, since its logits are needed. Recurrent (linear-attention)
+        state cannot be cut back to an arbitrary prefix: the cache falls back to its latest checkpoint
+        below it (or to the start), and a checkpoint is taken before the last prompt token so that the
+        next turn, which starts with this prompt, resumes there.
         """
         cached = self.cache.tokens
         keep = 0
@@ -32,7 +35,12 @@ class Engine:
         while keep < limit and cached[keep] == ids[keep]:
             keep += 1
         self.cache.truncate(keep)
-        return self.append(ids[keep:])
+        start = self.cache.length  # <= keep with recurrent layers
+        if self.cache.has_recurrent and start < len(ids) - 1:
+            self.append(ids[start:-1])
+            self.cache.checkpoint()
+            return self.append(ids[-1:])
+        return self.append(ids[start:])
 
     def append(self, ids: Sequence[int]) -> torch.Tensor:
         """Run new tokens after the cached ones; logits [V] after the last."""

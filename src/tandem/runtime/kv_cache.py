@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -49,14 +49,50 @@ class LayerState(Protocol):
     def nbytes(self) -> int: ...
 
 
+@runtime_checkable
+class RecurrentState(Protocol):
+    """A layer state that folds every position into a fixed-size summary (linear attention): it cannot
+    forget positions one by one, only go back to a snapshot taken earlier."""
+
+    length: int  # positions folded in
+
+    def nbytes(self) -> int: ...
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, snapshot: Any | None) -> None:
+        """Return to `snapshot` (None: the empty sequence)."""
+        ...
+
+
+MAX_CHECKPOINTS = 4  # recurrent-state snapshots kept per sequence (each is a few MiB per layer)
+
+
 @dataclass
 class KVCache:
-    """The state of one sequence: one LayerState per layer, and the tokens it holds."""
+    """The state of one sequence: one LayerState per layer, and the tokens it holds.
+
+    With recurrent layers, truncation can only land where their state is known: at the current length,
+    at a checkpoint (see `checkpoint`), or at 0; `truncate` then keeps less than asked for.
+    """
 
     layers: list[Any]
     n_ctx: int
     length: int = 0
     tokens: list[int] = field(default_factory=list)
+    checkpoints: list[tuple[int, list[Any]]] = field(default_factory=list)  # (length, recurrent snapshots)
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(isinstance(layer, RecurrentState) for layer in self.layers)
+
+    def checkpoint(self) -> None:
+        """Snapshot the recurrent layers at the current length, so that `truncate` can come back here."""
+        recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        if not recurrent or any(pos == self.length for pos, _ in self.checkpoints):
+            return
+        self.checkpoints.append((self.length, [layer.snapshot() for layer in recurrent]))
+        del self.checkpoints[:-MAX_CHECKPOINTS]
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.n_ctx:
@@ -66,9 +102,20 @@ class KVCache:
             )
 
     def truncate(self, length: int) -> None:
-        """Forget positions >= length (they are overwritten by the next tokens)."""
-        self.length = min(self.length, length)
-        del self.tokens[self.length :]
+        """Forget positions >= length (they are overwritten by the next tokens).
+
+        Recurrent layers cannot drop positions: the sequence goes back to the latest checkpoint at or
+        below `length`, else to empty. Read `self.length` for what was kept."""
+        length = min(self.length, length)
+        recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        if recurrent and length < self.length:
+            self.checkpoints = [c for c in self.checkpoints if c[0] <= length]
+            at, snapshots = self.checkpoints[-1] if self.checkpoints else (0, [None] * len(recurrent))
+            for layer, snap in zip(recurrent, snapshots, strict=True):
+                layer.restore(snap)
+            length = at
+        self.length = length
+        del self.tokens[length:]
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -1,19 +1,36 @@
-"""Turn tensors of a GGUF file into layer weights, each where the placement plan puts it."""
+"""Turn tensors of a GGUF file into layer weights, each where the placement plan puts it.
+
+The loader is the only place that moves weights: a tensor the plan puts on the CPU stays in the
+memory map (ggml computes on it there), a tensor on a GPU is uploaded once. What was placed where is
+read back from the weights themselves (`placed`), not from the flags.
+"""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tandem.errors import UnsupportedModelError
+from tandem.errors import PlacementError, UnsupportedModelError
 from tandem.gguf import GGUFFile, TensorInfo
-from tandem.layers.linear import GGMLExperts, GGMLLinear
-from tandem.placement import PlacementPlan
+from tandem.layers.linear import Experts, GGMLExperts, GGMLLinear, Linear
+from tandem.layers.moe import RoutedExperts
+from tandem.placement import PlacementPlan, expert_layer
 from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight
+from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
+from tandem.runtime.offload import (
+    ExpertSource,
+    HostExperts,
+    HostLinear,
+    OffloadedExperts,
+    StagingWindow,
+)
+
+OFFLOAD_MIN_BATCH = 32  # as llama.cpp: from this many tokens, CPU experts are streamed to the GPU
 
 
 def _as_torch_bytes(data: np.ndarray) -> torch.Tensor:
@@ -25,23 +42,43 @@ def _as_torch_bytes(data: np.ndarray) -> torch.Tensor:
 
 @dataclass
 class QuantEmbedding:
-    """Token embedding rows dequantized on lookup; the table stays quantized in the mmap."""
+    """Token embedding rows dequantized on lookup; the table stays quantized where it is placed."""
 
+    data: torch.Tensor  # raw bytes, on the CPU (mmap) or a GPU
     info: TensorInfo
+    out_device: torch.device
+    out_dtype: torch.dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        data = _as_torch_bytes(self.info.data)
-        return dequantize_rows(data, self.info.qtype, self.info.shape, ids)
+        rows = dequantize_rows(self.data, self.info.qtype, self.info.shape, ids.to(self.data.device))
+        return rows.to(self.out_device, self.out_dtype)
 
 
 class WeightLoader:
-    """Hands out layer weights by GGUF tensor name, obeying the plan."""
+    """Hands out layer weights by GGUF tensor name, obeying the plan; also an ExpertSource."""
 
-    def __init__(self, f: GGUFFile, plan: PlacementPlan, kernels: CPUKernels) -> None:
+    def __init__(
+        self,
+        f: GGUFFile,
+        plan: PlacementPlan,
+        kernels: CPUKernels,
+        dtype: torch.dtype = torch.float32,
+        on_tensor: Callable[[TensorInfo], None] | None = None,
+    ) -> None:
         self.file = f
         self.plan = plan
         self.kernels = kernels
+        self.compute_device = torch.device(plan.compute_device)
+        self.dtype = dtype if self.compute_device.type != "cpu" else torch.float32
+        self.ieee = self.dtype == torch.float32
+        self.on_tensor = on_tensor
+        self._placed: dict[str, torch.device] = {}
+        self._dequantized: dict[str, int] = {}
+        self._staging: StagingWindow | None = None
+        if self.compute_device.type != "cpu" and plan.staging_bytes:
+            self._staging = StagingWindow(plan.staging_bytes, self.compute_device)
 
+    # -- bookkeeping ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
         return name in self.file.tensors
 
@@ -51,21 +88,157 @@ class WeightLoader:
         except KeyError:
             raise UnsupportedModelError(f"{self.file.path.name}: required tensor '{name}' is missing") from None
 
+    def _device(self, name: str) -> torch.device:
+        return torch.device(self.plan.device_of(name))
+
+    def _record(self, info: TensorInfo, storage: torch.Tensor | np.ndarray) -> None:
+        self._placed[info.name] = storage.device if isinstance(storage, torch.Tensor) else torch.device("cpu")
+        if self.on_tensor is not None:
+            self.on_tensor(info)
+
+    def placed(self) -> dict[str, str]:
+        """tensor name -> device, read from the storage of every weight handed out."""
+        return {name: str(device) for name, device in self._placed.items()}
+
+    def notices(self) -> list[str]:
+        """One line per quant type that has no GPU kernel and was dequantized at load."""
+        return [
+            f"{qtype}: no GPU kernel yet; {n} tensor(s) dequantized to {str(self.dtype).removeprefix('torch.')} at load"
+            for qtype, n in sorted(self._dequantized.items())
+        ]
+
+    def _upload(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
+        data = _as_torch_bytes(info.data).to(device)
+        self._record(info, data)
+        return data
+
+    # -- weights ----------------------------------------------------------------------------------
     def vector(self, name: str) -> torch.Tensor:
-        """A small tensor (norm weights, biases) as float32."""
+        """A small tensor (norm weights, biases, scales) as float32 where the plan puts it."""
         info = self.info(name)
-        return dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)
+        device = self._device(name)
+        if device != self.compute_device and expert_layer(name) is None:
+            raise PlacementError(
+                f"-ot/--override-tensor: '{name}' is not a matrix; only matrices and expert tensors can be "
+                f"placed apart from --device {self.plan.compute_device}"
+            )
+        data = _as_torch_bytes(info.data) if device.type == "cpu" else self._upload(info, device)
+        if device.type == "cpu":
+            self._record(info, data)
+        return dequantize(data, info.qtype, info.shape)
 
-    def _ggml_weight(self, info: TensorInfo) -> GGMLWeight:
-        return GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
-
-    def linear(self, name: str) -> GGMLLinear:
+    def linear(self, name: str) -> Linear:
         info = self.info(name)
-        return GGMLLinear(self._ggml_weight(info), self.kernels)
+        device = self._device(name)
+        if device.type == "cpu":
+            self._record(info, info.data)
+            linear = GGMLLinear(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.kernels)
+            return linear if self.compute_device.type == "cpu" else HostLinear(linear)
+        from tandem.cuda.qlinear import GPUQuantWeight
+        from tandem.cuda.weights import DenseLinear, GPUQuantLinear
 
-    def experts(self, name: str) -> GGMLExperts:
+        if info.qtype in GPU_NATIVE_TYPES:
+            return GPUQuantLinear(GPUQuantWeight(self._upload(info, device), info.qtype, info.shape), self.ieee)
+        return DenseLinear(self._dense(info, device))
+
+    def experts(self, name: str) -> Experts:
         info = self.info(name)
-        return GGMLExperts(self._ggml_weight(info), self.kernels)
+        device = self._device(name)
+        if device.type == "cpu":
+            self._record(info, info.data)
+            experts = GGMLExperts(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.kernels)
+            return experts if self.compute_device.type == "cpu" else HostExperts(experts)
+        from tandem.cuda.qlinear import GPUQuantWeight
+        from tandem.cuda.weights import DenseExperts, GPUQuantExperts
+
+        if info.qtype in GPU_NATIVE_TYPES:
+            return GPUQuantExperts(GPUQuantWeight(self._upload(info, device), info.qtype, info.shape), self.ieee)
+        return DenseExperts(self._dense(info, device))
+
+    def _dense(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
+        """A float weight on the GPU: float types as they are, other types dequantized (with a notice)."""
+        raw = self._upload(info, device)
+        if info.qtype in GPU_FLOAT_TYPES:
+            return dequantize(raw, info.qtype, info.shape).to(torch.float32 if info.qtype.name == "F32" else self.dtype)
+        self._dequantized[info.qtype.name] = self._dequantized.get(info.qtype.name, 0) + 1
+        dense = dequantize(raw, info.qtype, info.shape).to(self.dtype)
+        del raw
+        return dense
 
     def embedding(self, name: str) -> QuantEmbedding:
-        return QuantEmbedding(self.info(name))
+        info = self.info(name)
+        device = self._device(name)
+        data = _as_torch_bytes(info.data) if device.type == "cpu" else self._upload(info, device)
+        if device.type == "cpu":
+            self._record(info, info.data)
+        return QuantEmbedding(data=data, info=info, out_device=self.compute_device, out_dtype=self.dtype)
+
+    # -- routed experts -------------------------------------------------------------------------------
+    def routed_experts(self, layer: int, build: Callable[[ExpertSource], RoutedExperts]) -> RoutedExperts:
+        """The routed experts of `layer`, built by `build` from wherever the plan put their tensors.
+
+        All on the compute device: built directly. All on the CPU under a GPU model: an OffloadedExperts
+        that computes decode batches on the CPU and streams the blocks to the GPU for prefill batches.
+        """
+        infos = [info for name, info in self.file.tensors.items() if expert_layer(name) == layer]
+        devices = {self.plan.device_of(info.name) for info in infos}
+        if len(devices) > 1:
+            raise PlacementError(
+                f"the expert tensors of layer {layer} are split across {', '.join(sorted(devices))}; "
+                f"place a layer's experts on one device (--cpu-moe, --n-cpu-moe or one -ot pattern)"
+            )
+        if self.compute_device.type == "cpu" or devices != {"cpu"}:
+            return build(self)
+        on_cpu = build(_HostSource(self))
+        staged, stage = None, None
+        stageable = all(i.qtype in GPU_NATIVE_TYPES or (i.qtype.name == "F32" and len(i.shape) <= 2) for i in infos)
+        if self._staging is not None and stageable:
+            window = self._staging
+            offsets = window.layout(infos)
+            staged = build(_StagedSource(self, window, offsets))
+
+            def stage() -> None:
+                window.fill(infos, offsets)
+
+        return OffloadedExperts(on_cpu=on_cpu, staged=staged, stage=stage, min_batch=OFFLOAD_MIN_BATCH)
+
+
+class _HostSource:
+    """CPU experts (ggml on the mmap) and CPU vectors, for the CPU side of OffloadedExperts."""
+
+    def __init__(self, loader: WeightLoader) -> None:
+        self.loader = loader
+
+    def experts(self, name: str) -> Experts:
+        info = self.loader.info(name)
+        self.loader._record(info, info.data)
+        return GGMLExperts(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.loader.kernels)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info = self.loader.info(name)
+        self.loader._record(info, info.data)
+        return dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)
+
+
+class _StagedSource:
+    """Views into the staging window: valid once the layer's blocks were copied in (each prefill step)."""
+
+    def __init__(self, loader: WeightLoader, window: StagingWindow, offsets: dict[str, int]) -> None:
+        self.loader = loader
+        self.window = window
+        self.offsets = offsets
+
+    def _view(self, name: str) -> tuple[TensorInfo, torch.Tensor]:
+        info = self.loader.info(name)
+        return info, self.window.view(self.offsets[name], info.n_bytes)
+
+    def experts(self, name: str) -> Experts:
+        from tandem.cuda.qlinear import GPUQuantWeight
+        from tandem.cuda.weights import GPUQuantExperts
+
+        info, view = self._view(name)
+        return GPUQuantExperts(GPUQuantWeight(view, info.qtype, info.shape), self.loader.ieee)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info, view = self._view(name)
+        return view.view(torch.float32).view(info.shape)  # a live view: F32 only (checked by the caller)

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Record llama.cpp's logits for the tiny Qwen3.5-MoE and Qwen3-Next models
+(tests/fixtures/qwen35moe_llamacpp.json), so that tests/test_qwen35moe.py can check tandem against the
+reference reader of these GGUF files, not only against transformers.
+
+    python scripts/record_qwen35moe_fixture.py [--lib DIR] [--out PATH] [--threads N]
+
+The parent process builds each model (tests/tiny_models.make_tiny_qwen35moe / make_tiny_qwen3next, seed 0)
+and its F32 GGUF with tandem's converter, then runs llama-cpp-python (CPU build, default
+$HOME/.cache/tandem/peers/llama_cpp_cpu) in a child process (llama_cpp must be imported before numpy
+there). Per prompt, from an empty cache: all positions' logits of one batch (llama.cpp's chunked
+delta-net), then the last DECODE_STEPS tokens again one by one after the rest (its autoregressive form).
+F32 K/V cache, no flash attention. To keep the file small only the logits of COLUMNS seeded vocabulary
+ids are stored (base64 float32). The fixture records each GGUF's sha256, so the test can tell when a tiny
+model no longer builds bit-identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
+DEFAULT_OUT = os.path.join(REPO, "tests", "fixtures", "qwen35moe_llamacpp.json")
+ARCHES = ("qwen35moe", "qwen3next")
+PROMPT_LENGTHS = (7, 80)  # 80 > one delta-net chunk (64)
+DECODE_STEPS = 5
+N_COLUMNS = 64
+SEED = 4321
+
+
+def prompts_and_columns(n_vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The token prompts and the stored vocabulary columns (also used by the test)."""
+    rng = random.Random(SEED)
+    prompts = [[rng.randrange(4, n_vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return prompts, sorted(rng.sample(range(n_vocab), N_COLUMNS))
+
+
+def build_gguf(arch: str, out_dir: str) -> str:
+    """The tiny checkpoint of `arch` and its F32 GGUF under out_dir (as tests/conftest.py builds it)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    sys.path.insert(0, os.path.join(REPO, "src"))
+    import tiny_models
+
+    from tandem.convert import convert_hf
+
+    base = os.path.join(out_dir, arch)
+    hf_dir = getattr(tiny_models, f"make_tiny_{arch}")(os.path.join(base, "hf"), seed=0)
+    return str(convert_hf(hf_dir, os.path.join(base, f"tiny_{arch}-f32.gguf"), "f32"))
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def worker(lib: str, model: str, threads: int, job_json: str) -> None:
+    """Child process: llama.cpp logits (stored columns only) for every prompt, as JSON on stdout."""
+    sys.path.insert(0, lib)
+    # llama_cpp BEFORE numpy: numpy first made the loader segfault (see record_llamacpp_fixtures.py).
+    import llama_cpp
+
+    Llama = llama_cpp.Llama  # a statement between the imports keeps any import sorter from moving numpy up
+    import numpy as np
+
+    job = json.loads(job_json)
+    cols = np.asarray(job["columns"])
+    llm = Llama(model_path=model, n_ctx=128, n_batch=128, n_ubatch=128, n_threads=threads, n_threads_batch=threads,
+                logits_all=True, type_k=0, type_v=0, flash_attn=False, seed=0, verbose=False)  # fmt: skip
+
+    def b64(x: np.ndarray) -> str:
+        return base64.b64encode(np.ascontiguousarray(x[:, cols], dtype=np.float32).tobytes()).decode("ascii")
+
+    out = []
+    for ids in job["prompts"]:
+        llm.reset()
+        llm._ctx.kv_cache_clear()  # a fresh sequence (also clears the recurrent state)
+        llm.eval(ids)
+        full = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        head = len(ids) - DECODE_STEPS
+        llm.eval(ids[:head])
+        steps = []
+        for t in ids[head:]:
+            llm.eval([t])
+            steps.append(np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+        out.append({"ids": ids, "logits_b64": b64(full), "decode_b64": b64(np.stack(steps))})
+    json.dump({"prompts": out, "llama_cpp_version": llama_cpp.__version__}, sys.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lib", default=DEFAULT_LIB)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "JOB_JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.lib, args.worker[0], args.threads, args.worker[1])
+        return 0
+    if not os.path.isdir(os.path.join(args.lib, "llama_cpp")):
+        print(f"llama-cpp-python not found under {args.lib}", file=sys.stderr)
+        return 1
+    prompts, columns = prompts_and_columns(512)
+    result: dict[str, object] = {"columns": columns, "decode_steps": DECODE_STEPS, "models": {}}
+    version = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ARCHES:
+            model = build_gguf(arch, tmp)
+            job = json.dumps({"prompts": prompts, "columns": columns})
+            cmd = [sys.executable, os.path.abspath(__file__), "--lib", args.lib, "--threads", str(args.threads),
+                   "--worker", model, job]  # fmt: skip
+            run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if run.returncode != 0:
+                print(run.stderr[-4000:], file=sys.stderr)
+                return run.returncode
+            got = json.loads(run.stdout)
+            version = got["llama_cpp_version"]
+            result["models"][arch] = {"gguf_sha256": sha256_file(model), "prompts": got["prompts"]}  # type: ignore[index]
+    result["meta"] = {
+        "models": "tests/tiny_models.make_tiny_{qwen35moe,qwen3next}(seed=0), converted to F32 by tandem",
+        "llama_cpp_python": version,
+        "settings": "n_ctx 128, one batch per prompt, logits_all, F32 K/V, no flash attention; "
+        f"then the last {DECODE_STEPS} tokens one at a time",
+        "threads": args.threads,
+        "date": datetime.date.today().isoformat(),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

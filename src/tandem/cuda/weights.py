@@ -1,0 +1,71 @@
+"""GPU-side weights: linears and stacked experts, quantized (Triton) or dense (torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.cuda.qlinear import GPUQuantWeight, qmatmul, qmatmul_id
+
+
+@dataclass(eq=False)
+class GPUQuantLinear:
+    weight: GPUQuantWeight
+    ieee: bool  # exact f32 products (--dtype f32) instead of bf16 tensor-core products
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.n_out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qmatmul(x, self.weight, self.ieee)
+
+
+@dataclass(eq=False)
+class GPUQuantExperts:
+    weight: GPUQuantWeight  # [E, N, K]
+    ieee: bool
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.n_out
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return qmatmul_id(x, self.weight, ids, self.ieee)
+
+
+@dataclass(eq=False)
+class DenseLinear:
+    """A plain float weight [N, K] (kept in its own float type, or dequantized at load)."""
+
+    weight: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.weight.dtype) @ self.weight.T).to(x.dtype)
+
+
+@dataclass(eq=False)
+class DenseExperts:
+    """Plain float experts [E, N, K]: one product per distinct selected expert."""
+
+    weight: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, a = ids.shape
+        xs = x.unsqueeze(1).expand(t, a, x.shape[-1]) if x.dim() == 2 else x
+        flat_x = xs.reshape(t * a, -1).to(self.weight.dtype)
+        flat_ids = ids.reshape(-1)
+        out = torch.empty(t * a, self.weight.shape[1], dtype=x.dtype, device=x.device)
+        for e in torch.unique(flat_ids).tolist():
+            rows = (flat_ids == e).nonzero(as_tuple=True)[0]
+            out[rows] = (flat_x[rows] @ self.weight[e].T).to(x.dtype)
+        return out.view(t, a, -1)

@@ -1,0 +1,58 @@
+"""Attention with an output gate (Qwen3-Next, Qwen3.5): the q projection yields, per head, the query
+and a gate of the same size; the attention output is multiplied by sigmoid(gate) before `o`.
+
+Shapes: T = new tokens, H = query heads, G = KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.attention import AttentionShape, attend
+from tandem.layers.linear import Linear
+from tandem.layers.norm import rms_norm
+from tandem.layers.rope import Rope
+from tandem.runtime.kv_cache import LayerKV
+
+
+@dataclass
+class GatedAttention:
+    """GQA attention (q/k norms, rope, KV cache as `Attention`) with a per-channel sigmoid output gate."""
+
+    shape: AttentionShape
+    q_gate: Linear  # [H * 2D, hidden]: for each head D query rows, then D gate rows
+    k: Linear
+    v: Linear
+    o: Linear
+    rope: Rope
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.shape.value_dim != self.shape.head_dim:
+            raise ValueError("gated attention needs value_dim == head_dim (the gate has head_dim channels per head)")
+
+    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
+        s = self.shape
+        return LayerKV.allocate(n_ctx, s.n_kv_heads, s.head_dim, s.value_dim, dtype, device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+        s = self.shape
+        t = x.shape[0]
+        qg = self.q_gate(x).view(t, s.n_heads, 2, s.head_dim)
+        q = qg[:, :, 0]  # [T, H, D]
+        gate = qg[:, :, 1].reshape(t, s.n_heads * s.head_dim)
+        k = self.k(x).view(t, s.n_kv_heads, s.head_dim)
+        v = self.v(x).view(t, s.n_kv_heads, s.value_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.norm_eps)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, self.norm_eps)
+        q = self.rope.apply(q, positions)
+        k = self.rope.apply(k, positions)
+        keys, values = cache.store(start, k, v)  # [S, G, D]
+        out = attend(q, keys, values, positions, s).reshape(t, s.n_heads * s.value_dim)  # [T, H*D]
+        return self.o(out * torch.sigmoid(gate.float()).to(out.dtype))
