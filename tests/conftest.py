@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# ggml and torch share an OpenMP runtime whose threads spin while waiting; on the 2 shared cores of CI
+# spinning threads starve each other (10x slower tests). Production keeps spinning (dedicated cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Callable
 from pathlib import Path
 

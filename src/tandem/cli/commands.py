@@ -274,9 +274,20 @@ def synth(args: argparse.Namespace) -> int:
     """Write a random model with the shapes of a real one (`tandem synth --like NAME -o out.gguf`)."""
     from tandem.synth.writer import synthesize
 
-    r = synthesize(
-        args.like, Path(args.outfile), layers=args.layers, quant=args.quant, seed=args.seed, overwrite=args.overwrite
-    )
+    shown: list[bool] = []
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r{done / 2**30:.1f} / {total / 2**30:.1f} GiB", end="", file=sys.stderr, flush=True)
+        shown[:] = [True]
+
+    try:
+        r = synthesize(
+            args.like, Path(args.outfile), layers=args.layers, quant=args.quant, seed=args.seed,
+            overwrite=args.overwrite, progress=progress if sys.stderr.isatty() else None,
+        )  # fmt: skip
+    finally:
+        if shown:  # end the progress line, also before an error message
+            print(file=sys.stderr)
     rate = r.file_bytes / max(r.seconds, 1e-9) / 1e6
     print(
         f"wrote {r.path}: {r.plan.preset.name}, {r.plan.n_layers} layers, {r.plan.mix}, "

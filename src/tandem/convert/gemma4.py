@@ -70,11 +70,11 @@ class Gemma4Hooks(ArchHooks):
             return True  # the vision/audio towers belong to the mmproj file, not here
         name = "model." + hf_name[len(_LM_PREFIX):] if hf_name.startswith(_LM_PREFIX) else hf_name
         m = _LAYER_RE.match(name)
-        rest = m[2] if m else ""
+        bid, rest = (int(m[1]), m[2]) if m else (-1, "")
         if rest == "router.scale":
-            new = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].format(bid=int(m[1])) + ".scale"
+            new = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP].format(bid=bid) + ".scale"
         elif rest == "router.per_expert_scale":
-            new = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_DOWN_EXP].format(bid=int(m[1])) + ".scale"
+            new = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_DOWN_EXP].format(bid=bid) + ".scale"
         elif rest in ("layer_scalar", "experts.gate_up_proj", "experts.down_proj"):
             new = ctx.name_of(name + ".weight")
         elif name != hf_name:

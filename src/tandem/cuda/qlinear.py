@@ -1,5 +1,8 @@
-"""Products with GGUF weights on the GPU: native Triton kernels for the common block formats,
-dequantized-at-load dense weights for the rest.
+"""Products with GGUF weights kept as blocks in GPU memory.
+
+Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM. Prefill (many rows):
+the blocks are dequantized into a transient float workspace and multiplied by a dense GEMM (cuBLAS,
+or a grouped Triton GEMM for experts), so the arithmetic runs on tensor cores.
 
 Shapes: M = activation rows, N = output features, K = input features, E = experts, T = tokens,
 A = active experts per token, R = T * A expert slots.
@@ -15,11 +18,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.cuda import qkernels as qk
+from tandem.quant.types import GPU_NATIVE_TYPES
 
-NATIVE_TYPES: frozenset[Q] = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-QMV_MAX_ROWS = 8  # up to this many rows the GEMV kernel (weights re-read from L2 per row) wins
-QMV_BN, QMV_BK = 16, 256
-QMM_BM, QMM_BN, QMM_BK = 64, 64, 64
+QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
+QMV_BN = 16
+DEQUANT_BN = 16
+GMM_BM, GMM_BN, GMM_BK = 64, 64, 64
+EXPERT_CHUNK_BYTES = 256 << 20  # dequantized experts held at once during a prefill product
 
 
 @dataclass(eq=False)
@@ -48,24 +53,37 @@ class GPUQuantWeight:
         return self.row_bytes * self.n_out
 
 
+def _sub(qtype: Q) -> dict[str, int]:
+    assert qtype in GPU_NATIVE_TYPES, qtype
+    return (
+        {"QT": int(qtype), "NSUB": 16, "SUBLEN": 16} if qtype == Q.Q6_K else {"QT": int(qtype), "NSUB": 8, "SUBLEN": 32}
+    )
+
+
+def dequantize_rows_gpu(w: GPUQuantWeight, first_row: int, n_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [first_row, first_row + n_rows) of the (expert-stacked) weight as a float [n_rows, K] tensor."""
+    k = w.n_in
+    out = torch.empty(n_rows, k, dtype=dtype, device=w.data.device)
+    data = w.data[first_row * w.row_bytes : (first_row + n_rows) * w.row_bytes]
+    grid = (triton.cdiv(n_rows, DEQUANT_BN), triton.cdiv(k, 256))
+    qk._dequant[grid](data, out, n_rows, k, w.row_bytes, BN=DEQUANT_BN, **_sub(w.qtype))
+    return out
+
+
 def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype."""
     m, k = x.shape
-    assert k == w.n_in and w.qtype in NATIVE_TYPES, (x.shape, w.shape, w.qtype)
+    assert k == w.n_in, (x.shape, w.shape)
     x = x.contiguous()
+    if m > QMV_MAX_ROWS:
+        dense = dequantize_rows_gpu(w, 0, w.n_out, torch.float32 if ieee else torch.bfloat16)
+        return (x.to(dense.dtype) @ dense.T).to(x.dtype)
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
-    if m <= QMV_MAX_ROWS:
-        grid = (triton.cdiv(w.n_out, QMV_BN), m)
-        qk._qmv[grid](
-            w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0),
-            QT=int(w.qtype), HAS_IDS=False, BN=QMV_BN, BK=QMV_BK,
-        )  # fmt: skip
-    else:
-        grid = (triton.cdiv(w.n_out, QMM_BN), triton.cdiv(m, QMM_BM))
-        qk._qmm[grid](
-            w.data, x, y, x, x, m, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0),
-            QT=int(w.qtype), HAS_IDS=False, IEEE=ieee, BM=QMM_BM, BN=QMM_BN, BK=QMM_BK,
-        )  # fmt: skip
+    grid = (triton.cdiv(w.n_out, QMV_BN), m)
+    qk._qmv[grid](
+        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0),
+        HAS_IDS=False, BN=QMV_BN, **_sub(w.qtype),
+    )  # fmt: skip
     return y
 
 
@@ -78,20 +96,31 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     r = flat.numel()
     y = torch.empty(r, w.n_out, dtype=x.dtype, device=x.device)
-    if r <= QMV_MAX_ROWS * 4:
+    if r <= 2 * QMV_MAX_ROWS:
         grid = (triton.cdiv(w.n_out, QMV_BN), r)
         qk._qmv[grid](
             w.data, x2, y, flat, w.n_out, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),
-            QT=int(w.qtype), HAS_IDS=True, BN=QMV_BN, BK=QMV_BK,
+            HAS_IDS=True, BN=QMV_BN, **_sub(w.qtype),
         )  # fmt: skip
-    else:
-        tile_expert, slots = _align_slots(flat, w.shape[0], QMM_BM)
-        grid = (triton.cdiv(w.n_out, QMM_BN), tile_expert.numel())
-        qk._qmm[grid](
-            w.data, x2, y, tile_expert, slots, r, w.n_out, k, w.row_bytes, w.expert_bytes, x_div,
-            x2.stride(0), y.stride(0),
-            QT=int(w.qtype), HAS_IDS=True, IEEE=ieee, BM=QMM_BM, BN=QMM_BN, BK=QMM_BK,
+        return y.view(t, a, w.n_out)
+    n_experts, n = w.shape[0], w.n_out
+    tile_expert, slots = _align_slots(flat, n_experts, GMM_BM)
+    tiles_per_expert = torch.bincount(tile_expert.long(), minlength=n_experts).tolist()  # host sync (prefill)
+    dtype = torch.float32 if ieee else torch.bfloat16
+    per_chunk = max(1, EXPERT_CHUNK_BYTES // (n * k * dtype.itemsize))
+    tile0 = 0
+    for e0 in range(0, n_experts, per_chunk):
+        n_tiles = sum(tiles_per_expert[e0 : e0 + per_chunk])
+        if n_tiles == 0:
+            continue
+        e1 = min(e0 + per_chunk, n_experts)
+        dense = dequantize_rows_gpu(w, e0 * n, (e1 - e0) * n, dtype)  # [(e1 - e0) * N, K]
+        grid = (triton.cdiv(n, GMM_BN), n_tiles)
+        qk._grouped_mm[grid](
+            dense, x2, y, tile_expert - e0, slots, tile0, r, n, k, x_div, x2.stride(0), y.stride(0),
+            IEEE=ieee, BM=GMM_BM, BN=GMM_BN, BK=GMM_BK,
         )  # fmt: skip
+        tile0 += n_tiles
     return y.view(t, a, w.n_out)
 
 

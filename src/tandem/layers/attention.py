@@ -1,4 +1,5 @@
-"""Grouped-query attention with a KV cache, optional q/k norms, sliding windows and softcapping.
+"""Grouped-query attention with a KV cache, optional q/k/v norms, sliding windows, softcapping and
+attention sinks.
 
 Shapes: T = new tokens, S = cached positions (including the new ones), H = query heads,
 G = KV heads, D = head dim.
@@ -32,12 +33,14 @@ class Attention:
     shape: AttentionShape
     q: Linear
     k: Linear
-    v: Linear
+    v: Linear | None  # None: values are the key projection (before its norm and rope; Gemma 4 global layers)
     o: Linear
     rope: Rope
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     norm_eps: float = 1e-6
+    v_norm: bool = False  # RMS-normalise values per head, without a weight (Gemma 4)
+    sinks: torch.Tensor | None = None  # [H] learned logit of an extra "sink" key per head (gpt-oss)
 
     def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
         s = self.shape
@@ -48,7 +51,9 @@ class Attention:
         t = x.shape[0]
         q = self.q(x).view(t, s.n_heads, s.head_dim)
         k = self.k(x).view(t, s.n_kv_heads, s.head_dim)
-        v = self.v(x).view(t, s.n_kv_heads, s.value_dim)
+        v = k if self.v is None else self.v(x).view(t, s.n_kv_heads, s.value_dim)
+        if self.v_norm:
+            v = rms_norm(v, torch.ones((), dtype=torch.float32, device=v.device), self.norm_eps)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.norm_eps)
         if self.k_norm is not None:
@@ -56,14 +61,21 @@ class Attention:
         q = self.rope.apply(q, positions)
         k = self.rope.apply(k, positions)
         keys, values = cache.store(start, k, v)  # [S, G, D]
-        out = attend(q, keys, values, positions, s)  # [T, H, Dv]
+        out = attend(q, keys, values, positions, s, self.sinks)  # [T, H, Dv]
         return self.o(out.reshape(t, s.n_heads * s.value_dim))
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, s: AttentionShape
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    s: AttentionShape,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D]."""
+    """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D].
+
+    `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing."""
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     qh = q.float().transpose(0, 1)  # [H, T, D]
@@ -78,5 +90,9 @@ def attend(
     if s.sliding_window is not None:
         allowed &= distance < s.sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)  # [H, T, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vh).transpose(0, 1).to(q.dtype)  # [T, H, Dv]

@@ -61,3 +61,18 @@ class GGMLExperts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.mul_mat_id(x, self.weight, ids)
+
+
+@dataclass
+class BiasedLinear:
+    """y = inner(x) + bias: a Linear with a bias vector [N] (kept apart from the weight's own format)."""
+
+    inner: Linear
+    bias: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.inner.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.bias

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tandem.errors import UnsupportedModelError
 from tandem.gguf import GGUFFile
-from tandem.layers.rope import RopeSpec
+from tandem.layers.rope import RopeSpec, YarnSpec
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class LayerSpec:
     sliding_window: int | None  # None: full attention
     rope: RopeSpec
     moe: bool  # routed experts instead of a dense MLP
+    head_dim: int | None = None  # this layer's q/k/v head size, when it differs from the model's (Gemma 4)
+    n_kv_heads: int | None = None  # this layer's KV heads, when they differ from the model's (Gemma 4)
 
 
 @dataclass(frozen=True)
@@ -141,3 +143,28 @@ def rope_scale(f: GGUFFile) -> float:
     if kind != "linear":
         raise UnsupportedModelError(f"{f.path.name}: rope scaling '{kind}' is not supported for {f.arch}")
     return 1.0 / float(f.arch_get("rope.scaling.factor", 1.0))
+
+
+def yarn_rope_scaling(f: GGUFFile) -> tuple[float, YarnSpec | None]:
+    """(frequency scale, YaRN parameters) as llama.cpp's context derives them from `rope.scaling.*`.
+
+    Only `scaling.type`, `scaling.factor`, `scaling.original_context_length` and `scaling.attn_factor`
+    are read: llama.cpp ignores the `yarn_*` keys (ext/attn factor, beta fast/slow) for all but a few
+    architectures and uses ext_factor 1, beta 32/1. Its attention factor is get_mscale(factor) /
+    (1 + 0.1 ln factor) * attn_factor, so that ggml's own 1 + 0.1 ln factor leaves get_mscale(factor).
+    """
+    kind = f.arch_get("rope.scaling.type")
+    factor = float(f.arch_get("rope.scaling.factor", 0.0) or 0.0)
+    scale = 1.0 / factor if factor else 1.0
+    if kind in (None, "none"):
+        return 1.0, None
+    if kind == "linear":
+        return scale, None
+    if kind != "yarn":
+        raise UnsupportedModelError(f"{f.path.name}: rope scaling '{kind}' is not supported for {f.arch}")
+    n_ctx_orig = int(f.arch_get("rope.scaling.original_context_length", 0) or f.arch_get("context_length", 4096))
+    factor = 1.0 / scale
+    attn = (0.1 * math.log(factor) + 1.0) if factor > 1.0 else 1.0
+    attn /= 1.0 + 0.1 * math.log(factor)
+    attn *= float(f.arch_get("rope.scaling.attn_factor", 1.0))
+    return scale, YarnSpec(n_ctx_orig=n_ctx_orig, ext_factor=1.0, attn_factor=attn)

@@ -27,6 +27,7 @@ class DecoderModel:
         head = "output.weight" if loader.has("output.weight") else "token_embd.weight"
         self.output: Linear = loader.linear(head)
         ropes = RopeCache()
+        self.ropes = ropes
         self.blocks = [build_block(cfg, i, spec, loader, ropes) for i, spec in enumerate(cfg.layers)]
 
     @torch.inference_mode()
@@ -51,4 +52,6 @@ class DecoderModel:
 
     def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
         """Fresh sequence state on the compute device: each block's mixer allocates what it needs."""
+        for rope in self.ropes.values():
+            rope.reserve(n_ctx, self.device)
         return KVCache(layers=[b.mixer.new_state(n_ctx, dtype, self.device) for b in self.blocks], n_ctx=n_ctx)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tandem.errors import UnsupportedModelError
 from tandem.gguf import GGUFFile
-from tandem.models import gemma3, qwen3, qwen3moe
+from tandem.models import gemma3, gemma4, gpt_oss, qwen3, qwen3moe, qwen35moe
 from tandem.models.blocks import BlockBuilder, standard_block
 from tandem.models.config import ModelConfig
 
@@ -26,6 +26,10 @@ _ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(qwen3.read_config),
     "qwen3moe": Architecture(qwen3moe.read_config),
     "gemma3": Architecture(gemma3.read_config),
+    "gpt-oss": Architecture(gpt_oss.read_config, gpt_oss.build_block),
+    "gemma4": Architecture(gemma4.read_config, gemma4.build_block),
+    "qwen35moe": Architecture(qwen35moe.read_config, qwen35moe.build_block),
+    "qwen3next": Architecture(qwen35moe.read_config, qwen35moe.build_block),  # same file, small differences
 }
 _ALIASES: dict[str, str] = {}
 

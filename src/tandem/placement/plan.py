@@ -81,7 +81,12 @@ class PlacementPlan:
 
 
 def kv_cache_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
-    per_position = cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + cfg.value_dim)
+    # Per layer: Gemma 4's sliding and global layers differ in KV heads and head size.
+    per_position = sum(
+        (layer.n_kv_heads or cfg.n_kv_heads)
+        * (2 * layer.head_dim if layer.head_dim else cfg.head_dim + cfg.value_dim)
+        for layer in cfg.layers
+    )
     return shape.n_ctx * per_position * shape.cache_bytes_per_value
 
 
