@@ -81,8 +81,21 @@ def test_bf16_logits_close_across_placements(tiny_qwen3moe_gguf: tuple[Path, Pat
     for name in ("all-gpu", "cpu-moe", "n-cpu-moe-1"):
         with tandem.LLM(path, dtype="bf16", **PLACEMENTS[name]) as llm:
             got = llm.logits(ids)
-        err = np.abs(got - ref).max() / np.abs(ref).max()
-        assert err < 3e-2, (name, err)  # bf16 activations: ~2^-8 relative per op, a few layers deep
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        print(f"{name}: relative L2 error of bf16 logits {rel:.2e}")
+        # bf16 keeps 8 significant bits (2^-8 = 4e-3 per rounding); a few layers of them, not more.
+        assert rel < 2e-2, (name, rel)
+
+
+@pytest.mark.parametrize("name", ["all-gpu", "cpu-moe"])
+def test_graph_decode_matches_eager(tiny_qwen3moe_gguf: tuple[Path, Path], name: str) -> None:
+    path = tiny_qwen3moe_gguf[1]
+    prompt = list(range(7, 19))
+    runs = []
+    for graphs in (False, True):
+        with tandem.LLM(path, cache_type="f32", dtype="f32", cuda_graphs=graphs, **PLACEMENTS[name]) as llm:
+            runs.append(llm.generate_ids(prompt, max_tokens=24, temperature=0))
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("flags", [{"cpu_moe": True}, {"n_cpu_moe": 1}], ids=["cpu-moe", "n-cpu-moe-1"])
@@ -104,7 +117,7 @@ def test_vram_guarantee(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, monk
         llm.generate_ids(list(range(5, 45)), max_tokens=8, temperature=0)  # prefill (staged) + decode
         plan = llm.plan
         cpu_planned = {n for n, d in plan.devices.items() if d == "cpu"}
-        assert cpu_planned and all(expert_layer(n) is not None for n in cpu_planned)
+        assert cpu_planned and all(expert_layer(n) is not None or n == "token_embd.weight" for n in cpu_planned)
         assert not cpu_planned & set(uploaded), "a CPU-planned tensor was uploaded"
         assert all(llm.placed[n] == "cpu" for n in cpu_planned)
         peak = torch.cuda.max_memory_allocated() - base

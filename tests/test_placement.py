@@ -16,6 +16,20 @@ from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_
 from tandem.placement.request import parse_size
 
 
+HOST_TABLE = "token_embd.weight"  # untied: read a row at a time, so it stays in host RAM (as in llama.cpp)
+
+
+def test_untied_embedding_table_stays_on_host_tied_one_on_gpu(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tiny_gemma3_gguf: tuple[Path, Path]
+) -> None:
+    f, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda")
+    assert "output.weight" in f.tensors and plan.devices[HOST_TABLE] == "cpu"
+    f, plan = _plan(tiny_gemma3_gguf[1], device="cuda")
+    assert "output.weight" not in f.tensors and plan.devices[HOST_TABLE] == "cuda:0"
+    _, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda", override_tensor=["token_embd=cuda"])
+    assert plan.devices[HOST_TABLE] == "cuda:0"
+
+
 def _plan(path: Path, **flags: object):
     f = open_gguf(path)
     return f, plan_placement(f, read_config(f), PlacementRequest.from_flags(**flags), RuntimeShape(n_ctx=256))
@@ -26,10 +40,10 @@ def test_cpu_moe_puts_every_expert_on_cpu_and_nothing_else(tiny_qwen3moe_gguf: t
     experts = [n for n in f.tensors if expert_layer(n) is not None]
     assert experts
     for name, device in plan.devices.items():
-        assert device == ("cpu" if name in experts else "cuda:0"), name
+        assert device == ("cpu" if name in experts or name == HOST_TABLE else "cuda:0"), name
     assert "blk.0.ffn_gate_inp.weight" in plan.devices and plan.devices["blk.0.ffn_gate_inp.weight"] == "cuda:0"
     assert plan.cpu_expert_layers == tuple(range(read_config(f).n_layers))
-    cpu_bytes = sum(f.tensors[n].n_bytes for n in experts)
+    cpu_bytes = sum(f.tensors[n].n_bytes for n in [*experts, HOST_TABLE])
     assert plan.weight_bytes["cpu"] == cpu_bytes
     assert plan.gpu_bytes() == plan.weight_bytes["cuda:0"] + plan.kv_bytes + plan.workspace_bytes + plan.staging_bytes
 
@@ -38,7 +52,7 @@ def test_n_cpu_moe_takes_the_first_layers(tiny_qwen3moe_gguf: tuple[Path, Path])
     f, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda", n_cpu_moe=1)
     for name, device in plan.devices.items():
         layer = expert_layer(name)
-        assert device == ("cpu" if layer == 0 else "cuda:0"), name
+        assert device == ("cpu" if layer == 0 or name == HOST_TABLE else "cuda:0"), name
     assert plan.cpu_expert_layers == (0,)
 
 

@@ -73,13 +73,15 @@ class LLM:
         gpu_memory: str | int | None = None,
         tp: int = 1,
         dtype: str | None = None,
+        cuda_graphs: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
         device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible). dtype: compute type on
         the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32. progress(done, total) is
-        called with bytes as tensors are loaded.
+        called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode step as CUDA
+        graphs (split around CPU experts) instead of launching its kernels one by one.
         """
         if n_ctx <= 0:
             raise TandemError(f"n_ctx must be positive, got {n_ctx}")
@@ -113,7 +115,7 @@ class LLM:
         self.placed: dict[str, str] = loader.placed()
         self.notices: list[str] = loader.notices()
         self.n_ctx = n_ctx
-        self.engine = Engine(self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch)
+        self.engine = Engine(self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs)
 
     def placement_summary(self) -> dict[str, int]:
         """Bytes of weights per device, read back from where the loaded tensors actually are."""

@@ -11,8 +11,18 @@ and applies each scale once per sub-block (ggml's own order of work).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Decode GEMV shapes: rows per program and warps, tuned per (N, K, type) on first use. Under Triton's
+# CPU interpreter (tests without a GPU) one configuration is enough.
+_QMV_CONFIGS = (
+    [triton.Config({"BN": 16}, num_warps=4)]
+    if os.environ.get("TRITON_INTERPRET") == "1"
+    else [triton.Config({"BN": bn}, num_warps=w) for bn in (4, 8, 16, 32) for w in (1, 2, 4)]
+)
 
 # ggml type ids (gguf.GGMLQuantizationType values) the kernels read natively.
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
@@ -95,6 +105,7 @@ def _subblocks(rows, row_ok, kb, K, QT: tl.constexpr, NSUB: tl.constexpr, SUBLEN
     return q, scale, mn
 
 
+@triton.autotune(configs=_QMV_CONFIGS, key=["N", "K", "QT", "HAS_IDS"])
 @triton.jit
 def _qmv(
     w_ptr, x_ptr, y_ptr, ids_ptr, N, K, row_bytes, expert_bytes, x_div, stride_x, stride_y,

@@ -21,7 +21,6 @@ from tandem.cuda import qkernels as qk
 from tandem.quant.types import GPU_NATIVE_TYPES
 
 QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
-QMV_BN = 16
 DEQUANT_BN = 16
 GMM_BM, GMM_BN, GMM_BK = 64, 64, 64
 EXPERT_CHUNK_BYTES = 256 << 20  # dequantized experts held at once during a prefill product
@@ -79,10 +78,9 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
         dense = dequantize_rows_gpu(w, 0, w.n_out, torch.float32 if ieee else torch.bfloat16)
         return (x.to(dense.dtype) @ dense.T).to(x.dtype)
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(w.n_out, QMV_BN), m)
+    grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
     qk._qmv[grid](
-        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0),
-        HAS_IDS=False, BN=QMV_BN, **_sub(w.qtype),
+        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), HAS_IDS=False, **_sub(w.qtype)
     )  # fmt: skip
     return y
 
@@ -97,10 +95,10 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
     r = flat.numel()
     y = torch.empty(r, w.n_out, dtype=x.dtype, device=x.device)
     if r <= 2 * QMV_MAX_ROWS:
-        grid = (triton.cdiv(w.n_out, QMV_BN), r)
+        grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), r)  # noqa: E731
         qk._qmv[grid](
             w.data, x2, y, flat, w.n_out, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),
-            HAS_IDS=True, BN=QMV_BN, **_sub(w.qtype),
+            HAS_IDS=True, **_sub(w.qtype),
         )  # fmt: skip
         return y.view(t, a, w.n_out)
     n_experts, n = w.shape[0], w.n_out

@@ -64,6 +64,9 @@ class DenseExperts:
         xs = x.unsqueeze(1).expand(t, a, x.shape[-1]) if x.dim() == 2 else x
         flat_x = xs.reshape(t * a, -1).to(self.weight.dtype)
         flat_ids = ids.reshape(-1)
+        if t * a <= 32:  # decode: gather the selected experts (no host sync, so it can be graph-captured)
+            w = self.weight.index_select(0, flat_ids)  # [R, N, K]
+            return torch.bmm(w, flat_x.unsqueeze(-1)).squeeze(-1).to(x.dtype).view(t, a, -1)
         out = torch.empty(t * a, self.weight.shape[1], dtype=x.dtype, device=x.device)
         for e in torch.unique(flat_ids).tolist():
             rows = (flat_ids == e).nonzero(as_tuple=True)[0]

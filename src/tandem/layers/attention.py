@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
@@ -60,7 +61,7 @@ class Attention:
             k = rms_norm(k, self.k_norm, self.norm_eps)
         q = self.rope.apply(q, positions)
         k = self.rope.apply(k, positions)
-        keys, values = cache.store(start, k, v)  # [S, G, D]
+        keys, values = cache.store(start, k, v, positions)  # [S, G, D]
         out = attend(q, keys, values, positions, s, self.sinks)  # [T, H, Dv]
         return self.o(out.reshape(t, s.n_heads * s.value_dim))
 
@@ -78,17 +79,27 @@ def attend(
     `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing."""
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
+    key_pos = torch.arange(n_keys, device=q.device)
+    distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [T, S]
+    allowed = distance >= 0
+    if s.sliding_window is not None:
+        allowed &= distance < s.sliding_window
+    if q.is_cuda and s.softcap is None and sinks is None:  # one fused kernel instead of a dozen
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            attn_mask=allowed.view(1, 1, *allowed.shape),
+            scale=s.scale,
+            enable_gqa=group > 1,
+        )  # [1, H, T, Dv]
+        return out[0].transpose(0, 1)
     qh = q.float().transpose(0, 1)  # [H, T, D]
     kh = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
     vh = values.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, Dv]
     scores = torch.matmul(qh, kh.transpose(1, 2)) * s.scale  # [H, T, S]
     if s.softcap is not None:
         scores = torch.tanh(scores / s.softcap) * s.softcap
-    key_pos = torch.arange(n_keys, device=q.device)
-    distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [T, S]
-    allowed = distance >= 0
-    if s.sliding_window is not None:
-        allowed &= distance < s.sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)  # [H, T, 1]

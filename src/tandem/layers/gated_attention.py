@@ -53,6 +53,6 @@ class GatedAttention:
             k = rms_norm(k, self.k_norm, self.norm_eps)
         q = self.rope.apply(q, positions)
         k = self.rope.apply(k, positions)
-        keys, values = cache.store(start, k, v)  # [S, G, D]
+        keys, values = cache.store(start, k, v, positions)  # [S, G, D]
         out = attend(q, keys, values, positions, s).reshape(t, s.n_heads * s.value_dim)  # [T, H*D]
         return self.o(out * torch.sigmoid(gate.float()).to(out.dtype))

@@ -11,9 +11,12 @@ from typing import Protocol
 
 import torch
 
-from tandem.layers.activations import GLU
-from tandem.layers.linear import Experts, Linear
+from tandem.layers.activations import ACTIVATIONS, GLU
+from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
+
+# ggml's fused gated units for the activations it computes the same way (ggml_gelu is the tanh form).
+_GGML_GLU = {ACTIVATIONS["silu"]: "swiglu", ACTIVATIONS["gelu_tanh"]: "geglu"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,19 @@ class GatedExperts:
     act: Callable[[torch.Tensor], torch.Tensor]
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        glu = _GGML_GLU.get(self.act)
+        if glu is not None and all(isinstance(p, GGMLExperts) for p in (self.gate, self.up, self.down)):
+            # All on the CPU: one fused ggml graph for the three products and the mixing.
+            kernels = self.gate.kernels  # type: ignore[union-attr]
+            return kernels.gated_experts(
+                x,
+                self.gate.weight,
+                self.up.weight,
+                self.down.weight,
+                routing.ids,
+                routing.weights,
+                glu,  # type: ignore[union-attr]
+            )
         hidden = self.act(self.gate(x, routing.ids)) * self.up(x, routing.ids)  # [T, A, F]
         out = self.down(hidden, routing.ids)  # [T, A, D]
         return (out * routing.weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)  # [T, D]

@@ -21,6 +21,7 @@ class DecoderModel:
     def __init__(self, cfg: ModelConfig, loader: WeightLoader, build_block: BlockBuilder = standard_block) -> None:
         self.cfg = cfg
         self.device = loader.compute_device
+        self.dtype = loader.dtype
         self.embed: QuantEmbedding = loader.embedding("token_embd.weight")
         self.output_norm = loader.vector("output_norm.weight")
         # Tied embeddings: the output head reads the embedding table when there is no `output`.
@@ -29,6 +30,7 @@ class DecoderModel:
         ropes = RopeCache()
         self.ropes = ropes
         self.blocks = [build_block(cfg, i, spec, loader, ropes) for i, spec in enumerate(cfg.layers)]
+        self.host_boundaries = list(loader.host_boundaries)  # where a captured decode step must run host code
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -37,11 +39,31 @@ class DecoderModel:
         cache.check_room(t)
         start = cache.length
         positions = torch.arange(start, start + t, device=self.device)
-        x = self.embed(ids) * self.cfg.embed_scale  # [T, D]
-        for block, kv in zip(self.blocks, cache.layers, strict=True):
-            x = block(x, positions, kv, start)
+        logits = self.step(ids, positions, cache, start, all_logits)
         cache.length += t
         cache.tokens.extend(ids.tolist())
+        return logits
+
+    @torch.inference_mode()
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, D] on the compute device (the table may live in host RAM)."""
+        return self.embed(ids) * self.cfg.embed_scale
+
+    @torch.inference_mode()
+    def step(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, all_logits: bool = False
+    ) -> torch.Tensor:
+        """The computation of `forward`, without the cache bookkeeping."""
+        return self.blocks_and_head(self.embed_tokens(ids), positions, cache, start, all_logits)
+
+    @torch.inference_mode()
+    def blocks_and_head(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, all_logits: bool = False
+    ) -> torch.Tensor:
+        """From embeddings x [T, D] to logits: with one token on a GPU this reads positions from the
+        device and has fixed shapes, so it can be captured as a CUDA graph."""
+        for block, kv in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, positions, kv, start)
         if not all_logits:
             x = x[-1:]
         logits = self.output(rms_norm(x, self.output_norm, self.cfg.rms_eps)).float()  # [T, V]

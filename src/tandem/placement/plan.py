@@ -121,6 +121,8 @@ def _assign(f: GGUFFile, req: PlacementRequest, cfg: ModelConfig) -> tuple[dict[
                 device = target
                 used.add(text)
                 break
+        if device is None and name == "token_embd.weight" and "output.weight" in f.tensors:
+            device = "cpu"  # as llama.cpp: an untied table is only read a row at a time, on the host
         if device is None:
             layer = expert_layer(name)
             if layer is not None and (req.cpu_moe or layer < req.n_cpu_moe):

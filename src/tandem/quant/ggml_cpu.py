@@ -103,6 +103,20 @@ class _Graph:
         self.out = out
 
 
+_GLU = {"swiglu": 0, "geglu": 1}
+
+
+@dataclass(eq=False)
+class _FFNGraph:
+    """A cached fused-experts graph: its context, graph, allocator and the tensors repointed per call
+    (gate, up, down, x, ids, weights, output)."""
+
+    ctx: int
+    graph: int
+    allocator: int
+    inputs: list
+
+
 class CPUKernels:
     """ggml CPU matrix products on quantized GGUF weights, with a persistent backend and threadpool.
 
@@ -125,6 +139,7 @@ class CPUKernels:
         self.n_threads = int(n_threads)
         self._lock = threading.Lock()
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
+        self._ffn_graphs: dict[tuple[int, ...], _FFNGraph] = {}  # a few per model: one per (types, T)
         backend = ggml.ggml_backend_cpu_init()
         if not backend:
             raise RuntimeError("ggml_backend_cpu_init failed")
@@ -226,12 +241,109 @@ class CPUKernels:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
         return y
 
+    def gated_experts(
+        self,
+        x: torch.Tensor,
+        gate: GGMLWeight,
+        up: GGMLWeight,
+        down: GGMLWeight,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        glu: str,
+    ) -> torch.Tensor:
+        """A whole routed-expert FFN in one ggml graph: sum_a w[t, a] * down_e(glu(gate_e(x), up_e(x))).
+
+        One compute call per layer instead of three products plus torch glue: the threadpool wakes once.
+        x: [T, K]; gate/up: (E, F, K); down: (E, D, F); ids, weights: [T, A]; glu: "swiglu" or "geglu".
+        Returns [T, D] float32.
+        """
+        e, f, k = gate.shape
+        d = down.shape[1]
+        x = _as_f32(x)
+        t, a = ids.shape
+        ids = ids.to(device="cpu", dtype=torch.int32).contiguous()
+        weights = _as_f32(weights)
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= e:
+            raise ValueError(f"expert ids must be in [0, {e}), got range [{int(lo)}, {int(hi)}]")
+        y = torch.empty(t, d, dtype=torch.float32)
+        key = (2, int(gate.qtype), int(up.qtype), int(down.qtype), e, f, k, d, t, a, _GLU[glu])
+        with self._lock:
+            g = self._ffn_graphs.get(key)
+            if g is None:
+                g = self._build_ffn(key, gate, up, down, x, ids, weights, glu)
+            for tensor, ptr in zip(g.inputs, (gate.ptr, up.ptr, down.ptr, x.data_ptr(), ids.data_ptr(),
+                                              weights.data_ptr(), y.data_ptr()), strict=True):  # fmt: skip
+                tensor.data = ptr
+            status = _graph_compute(self._backend, g.graph)
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        return y
+
+    def _build_ffn(self, key, gate, up, down, x, ids, weights, glu) -> _FFNGraph:  # type: ignore[no-untyped-def]
+        """Build the fused expert graph; intermediates get memory from a graph allocator."""
+        if self._backend is None:
+            raise RuntimeError("CPUKernels is closed")
+        e, f, k = gate.shape
+        d = down.shape[1]
+        t, a = ids.shape
+        n_nodes = 16 + 2 * a
+        mem = ggml.ggml_tensor_overhead() * (n_nodes + 8) + ggml.ggml_graph_overhead_custom(n_nodes, False)
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        if not ctx:
+            raise MemoryError("ggml_init failed")
+        try:
+            g_t = _new_tensor(ctx, int(gate.qtype), (k, f, e))
+            u_t = _new_tensor(ctx, int(up.qtype), (k, f, e))
+            d_t = _new_tensor(ctx, int(down.qtype), (f, d, e))
+            x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, (k, 1, t))
+            ids_t = _new_tensor(ctx, ggml.GGML_TYPE_I32, (a, t))
+            w_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, (1, a, t))
+            # Inputs point at real memory before allocation, so the allocator leaves them alone.
+            for tensor, ptr in ((g_t, gate.ptr), (u_t, up.ptr), (d_t, down.ptr), (x_t, x.data_ptr()),
+                                (ids_t, ids.data_ptr()), (w_t, weights.data_ptr())):  # fmt: skip
+                tensor.contents.data = ptr
+                ggml.ggml_set_input(tensor)
+            gate_out = ggml.ggml_mul_mat_id(ctx, g_t, x_t, ids_t)  # [F, A, T]
+            up_out = ggml.ggml_mul_mat_id(ctx, u_t, x_t, ids_t)
+            split = ggml.ggml_swiglu_split if glu == "swiglu" else ggml.ggml_geglu_split
+            hidden = split(ctx, gate_out, up_out)
+            experts = ggml.ggml_mul(ctx, ggml.ggml_mul_mat_id(ctx, d_t, hidden, ids_t), w_t)  # [D, A, T]
+            nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
+            out = ggml.ggml_view_2d(ctx, experts, d, t, nb2, 0)
+            for slot in range(1, a):
+                out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, experts, d, t, nb2, slot * nb1))
+            if a == 1:
+                out = ggml.ggml_cont(ctx, out)
+            ggml.ggml_set_output(out)
+            graph = ggml.ggml_new_graph_custom(ctx, n_nodes, False)
+            ggml.ggml_build_forward_expand(graph, out)
+            allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
+            if not allocator or not ggml.ggml_gallocr_alloc_graph(allocator, graph):
+                raise MemoryError("ggml_gallocr_alloc_graph failed")
+        except BaseException:
+            ggml.ggml_free(ctx)
+            raise
+        g = _FFNGraph(
+            ctx=ctx,
+            graph=ctypes.cast(graph, ctypes.c_void_p).value or 0,
+            allocator=allocator,
+            inputs=[g_t.contents, u_t.contents, d_t.contents, x_t.contents, ids_t.contents, w_t.contents,
+                    out.contents],
+        )  # fmt: skip
+        self._ffn_graphs[key] = g
+        return g
+
     def close(self) -> None:
         """Free the graphs, the backend and the threadpool. Idempotent."""
         with self._lock:
             for g in self._graphs.values():
                 ggml.ggml_free(g.ctx)
             self._graphs.clear()
+            for fg in self._ffn_graphs.values():
+                ggml.ggml_gallocr_free(fg.allocator)
+                ggml.ggml_free(fg.ctx)
+            self._ffn_graphs.clear()
             if self._backend is not None:
                 ggml.ggml_backend_free(self._backend)
                 self._backend = None

@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from tandem.layers.attention import Attention
 from tandem.models.decoder import DecoderModel
 
 
 class Engine:
     """Owns a model and the KV cache of the current sequence; prefill runs in batches of n_batch."""
 
-    def __init__(self, model: DecoderModel, n_ctx: int, cache_dtype: torch.dtype, n_batch: int = 512) -> None:
+    def __init__(
+        self, model: DecoderModel, n_ctx: int, cache_dtype: torch.dtype, n_batch: int = 512, graphs: bool = True
+    ) -> None:
         self.model = model
         self.n_batch = n_batch
         self.cache = model.new_cache(n_ctx, cache_dtype)
+        self._decode_graph = self._graph_if_possible() if graphs else None
+        self._warm = False
+
+    def _graph_if_possible(self) -> Callable[[int], torch.Tensor] | None:
+        """A captured decode step on a GPU when every layer keeps fixed shapes per step (attention layers;
+        recurrent layers step eagerly)."""
+        model = self.model
+        if model.device.type != "cuda":
+            return None
+        if not all(type(b.mixer) is Attention for b in model.blocks):
+            return None
+        from tandem.cuda.graphs import DecodeGraph
+
+        return DecodeGraph(model, self.cache, model.host_boundaries)
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -44,6 +61,14 @@ class Engine:
 
     def append(self, ids: Sequence[int]) -> torch.Tensor:
         """Run new tokens after the cached ones; logits [V] after the last."""
+        if len(ids) == 1 and self._decode_graph is not None:
+            if self._warm:  # the first step runs eagerly: it compiles the kernels the capture will record
+                self.cache.check_room(1)
+                logits = self._decode_graph(ids[0])
+                self.cache.length += 1
+                self.cache.tokens.append(ids[0])
+                return logits
+            self._warm = True
         logits = None
         for i in range(0, len(ids), self.n_batch):
             chunk = torch.tensor(ids[i : i + self.n_batch], dtype=torch.long)

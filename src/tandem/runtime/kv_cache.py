@@ -35,8 +35,19 @@ class LayerKV:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [T, H_kv, D] at positions start..start+T-1 and return all keys/values so far."""
+    def store(
+        self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [T, H_kv, D] at positions start..start+T-1 and return the keys/values to attend to.
+
+        A one-token step on a GPU writes by index (`positions`, a device tensor) and returns the whole
+        buffer, so the step has the same shapes at every position and can be replayed as a CUDA graph;
+        positions not yet written are masked by causality.
+        """
+        if positions is not None and self.k.is_cuda and k.shape[0] == 1:
+            self.k.index_copy_(0, positions, k.to(self.k.dtype))
+            self.v.index_copy_(0, positions, v.to(self.v.dtype))
+            return self.k, self.v
         end = start + k.shape[0]
         self.k[start:end] = k.to(self.k.dtype)
         self.v[start:end] = v.to(self.v.dtype)

@@ -75,6 +75,7 @@ class WeightLoader:
         self._placed: dict[str, torch.device] = {}
         self._dequantized: dict[str, int] = {}
         self._staging: StagingWindow | None = None
+        self.host_boundaries: list[HostLinear | HostExperts | OffloadedExperts] = []  # host ops of a GPU step
         if self.compute_device.type != "cpu" and plan.staging_bytes:
             self._staging = StagingWindow(plan.staging_bytes, self.compute_device)
 
@@ -133,7 +134,7 @@ class WeightLoader:
         if device.type == "cpu":
             self._record(info, info.data)
             linear = GGMLLinear(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.kernels)
-            return linear if self.compute_device.type == "cpu" else HostLinear(linear)
+            return linear if self.compute_device.type == "cpu" else self._boundary(HostLinear(linear))
         from tandem.cuda.qlinear import GPUQuantWeight
         from tandem.cuda.weights import DenseLinear, GPUQuantLinear
 
@@ -147,7 +148,7 @@ class WeightLoader:
         if device.type == "cpu":
             self._record(info, info.data)
             experts = GGMLExperts(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.kernels)
-            return experts if self.compute_device.type == "cpu" else HostExperts(experts)
+            return experts if self.compute_device.type == "cpu" else self._boundary(HostExperts(experts))
         from tandem.cuda.qlinear import GPUQuantWeight
         from tandem.cuda.weights import DenseExperts, GPUQuantExperts
 
@@ -172,6 +173,10 @@ class WeightLoader:
         if device.type == "cpu":
             self._record(info, info.data)
         return QuantEmbedding(data=data, info=info, out_device=self.compute_device, out_dtype=self.dtype)
+
+    def _boundary(self, op: HostLinear | HostExperts) -> HostLinear | HostExperts:
+        self.host_boundaries.append(op)
+        return op
 
     # -- routed experts -------------------------------------------------------------------------------
     def routed_experts(self, layer: int, build: Callable[[ExpertSource], RoutedExperts]) -> RoutedExperts:
@@ -200,7 +205,9 @@ class WeightLoader:
             def stage() -> None:
                 window.fill(infos, offsets)
 
-        return OffloadedExperts(on_cpu=on_cpu, staged=staged, stage=stage, min_batch=OFFLOAD_MIN_BATCH)
+        offloaded = OffloadedExperts(on_cpu=on_cpu, staged=staged, stage=stage, min_batch=OFFLOAD_MIN_BATCH)
+        self.host_boundaries.append(offloaded)
+        return offloaded
 
 
 class _HostSource:

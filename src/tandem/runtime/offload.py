@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,16 +31,27 @@ class ExpertSource(Protocol):
 
 @dataclass(eq=False)
 class HostLinear:
-    """A CPU (ggml) linear used from a GPU model: activations cross to the CPU and back."""
+    """A CPU (ggml) linear used from a GPU model: activations cross to the CPU and back.
+
+    Like every host op here it is a boundary of the captured decode step (see cuda/graphs.py)."""
 
     inner: GGMLLinear
+    segments: Any = None
 
     @property
     def out_features(self) -> int:
         return self.inner.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.float().cpu()).to(x.device, x.dtype)
+        shape = (*x.shape[:-1], self.out_features)
+        if self.segments is not None:
+            return self.segments.boundary(self, (x,), shape, x.dtype)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        self.host_run((x,), out)
+        return out
+
+    def host_run(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        out.copy_(self.inner(inputs[0].float().cpu()), non_blocking=True)
 
 
 @dataclass(eq=False)
@@ -48,13 +59,23 @@ class HostExperts:
     """CPU experts used one projection at a time from a GPU model (when not built through OffloadedExperts)."""
 
     inner: Experts
+    segments: Any = None
 
     @property
     def out_features(self) -> int:
         return self.inner.out_features
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.float().cpu(), ids.cpu()).to(x.device, x.dtype)
+        shape = (*ids.shape, self.out_features)
+        if self.segments is not None:
+            return self.segments.boundary(self, (x, ids), shape, x.dtype)
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        self.host_run((x, ids), out)
+        return out
+
+    def host_run(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        x, ids = inputs
+        out.copy_(self.inner(x.float().cpu(), ids.cpu()), non_blocking=True)
 
 
 class StagingWindow:
@@ -89,16 +110,30 @@ class StagingWindow:
 
 @dataclass(eq=False)
 class OffloadedExperts:
-    """Routed experts whose weights stay in host RAM, used by a model that computes on a GPU."""
+    """Routed experts whose weights stay in host RAM, used by a model that computes on a GPU.
+
+    Also a host boundary of the captured decode step (cuda/graphs.py): while `segments` is set, a
+    call ends the current graph and the replay runs `host_run` in its place.
+    """
 
     on_cpu: RoutedExperts  # built over ggml experts and CPU vectors
     staged: RoutedExperts | None  # built over views of the staging window (None: no GPU kernel for a type)
     stage: Callable[[], None] | None  # copies the layer's expert blocks into the window
     min_batch: int  # batches this large stream the experts to the GPU (llama.cpp: 32)
+    segments: Any = None  # a SegmentedGraph while the decode step is being captured
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self.segments is not None:
+            return self.segments.boundary(self, (x, routing.ids, routing.weights), x.shape, x.dtype)
         if self.staged is not None and self.stage is not None and x.shape[0] >= self.min_batch:
             self.stage()
             return self.staged(x, routing)
-        on_host = Routing(ids=routing.ids.cpu(), weights=routing.weights.float().cpu())
-        return self.on_cpu(x.float().cpu(), on_host).to(x.device, x.dtype)
+        out = torch.empty_like(x)
+        self.host_run((x, routing.ids, routing.weights), out)
+        return out
+
+    def host_run(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        """Experts on the CPU: the routed hidden states come over, ggml computes, the result goes back."""
+        x, ids, weights = inputs
+        on_host = Routing(ids=ids.cpu(), weights=weights.float().cpu())
+        out.copy_(self.on_cpu(x.float().cpu(), on_host), non_blocking=True)

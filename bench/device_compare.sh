@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# tandem vs llama.cpp on the GPU machine, in ONE device call of under 10 minutes:
+#   1. install the carried wheels, build ggml-python (tandem's CPU kernels) and llama-cpp-python with CUDA
+#      for sm_90 (scripts/build_llamacpp.sh --cuda), the two builds side by side, nothing measured meanwhile;
+#   2. per model: `tandem synth --like MODEL`, then `tandem bench --compare llamacpp` over the placement
+#      matrix (--cpu-moe, --n-cpu-moe half the layers, all on the GPU), then delete the model;
+#   3. the reports land in $OUT/MODEL/report.{json,md,png}, the log in $OUT/device_compare.log (7 files:
+#      what comes back from $OUT is at most 8 files, two folders deep).
+#
+# Prepare here first:  bench/prepare_device.sh   (stages .peers/ and .whl/)
+# Device call:         run(command="bash bench/device_compare.sh", carry=[".whl", ".peers"], timeout_s=600)
+#
+# Time: the builds take about 4 minutes; the benches share what is left before DEADLINE_S, each model an
+# equal part (tandem bench --budget), runs alternating tandem/llama.cpp, repetition 1 of every row first, so
+# a short budget still gives one measurement of each. A run that overstays is cut (--timeout) and reported.
+#
+# Knobs (environment):
+#   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets;  MODEL_FILES="a.gguf b.gguf" uses files instead
+#   MATRIX=cpu-moe,n-cpu-moe=half,all  PP=512,2048  TG=128  REPS=3  THREADS=16  DEVICE=cuda
+#   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
+#   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
+#   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
+#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; log in $OUT/pytest_gpu.log)
+#   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
+set -uo pipefail  # no -e: a failed step is logged and the report still written
+
+t0=$(date +%s)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo=$PWD
+OUT="${OUT:-$repo/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+MODELS="${MODELS:-qwen3-30b-a3b qwen3.6-35b-a3b}"
+MATRIX="${MATRIX:-cpu-moe,n-cpu-moe=half,all}"
+PP="${PP:-512,2048}"
+TG="${TG:-128}"
+REPS="${REPS:-3}"
+THREADS="${THREADS:-16}"
+DEVICE="${DEVICE:-cuda}"
+DEADLINE_S="${DEADLINE_S:-570}"
+PY="${PYTHON:-python3}"
+SITE=/tmp/site
+PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
+
+main() {  # the whole run; its output goes to the terminal and to $OUT/device_compare.log (see the end)
+elapsed() { echo $(( $(date +%s) - t0 )); }
+say() { echo "[$(elapsed)s] $*"; }
+
+say "device_compare: models '${MODEL_FILES:-$MODELS}', matrix $MATRIX, pp $PP tg $TG reps $REPS threads $THREADS device $DEVICE"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || say "nvidia-smi: none"
+
+# -- 1. setup -----------------------------------------------------------------------------------------------
+if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
+  mkdir -p "$SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || say "wheel install FAILED"
+  export PYTHONPATH="$SITE:$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+  # diskcache inside the peer's target too, so build_llamacpp.sh does not reach for the (absent) network.
+  mkdir -p "$PEER_LIB"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$PEER_LIB" .whl/diskcache-*.whl
+  say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
+  TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS=12 \
+    SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB" \
+    >/tmp/llama_build.log 2>&1 &
+  llama_pid=$!
+  if ! "$PY" -c "import ggml" 2>/dev/null; then
+    CMAKE_BUILD_PARALLEL_LEVEL=4 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+      --target "$SITE" .whl/ggml_python-*.tar.gz >/tmp/ggml_build.log 2>&1 || { say "ggml-python build FAILED"; tail -30 /tmp/ggml_build.log; }
+  fi
+  say "ggml-python: $("$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))' 2>&1 | tail -1)"
+else
+  export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+  llama_pid=""
+fi
+
+# Where the models go: RAM (tmpfs) when it has room for the largest, else /tmp.
+MODEL_DIR="${MODEL_DIR:-}"
+if [[ -z "$MODEL_DIR" ]]; then
+  free_kb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
+  if [[ -n "$free_kb" && "$free_kb" -gt $((24 * 1024 * 1024)) ]]; then MODEL_DIR=/dev/shm/tandem-models; else MODEL_DIR=/tmp/tandem-models; fi
+fi
+mkdir -p "$MODEL_DIR"
+
+synth() {  # synth PRESET -> prints the path; the first model is made while llama.cpp still builds
+  local name=$1 path="$MODEL_DIR/$1.gguf" layers=()
+  [[ -n "${LAYERS:-}" ]] && layers=(--layers "$LAYERS")
+  if [[ ! -f "$path" ]]; then
+    "$PY" -m tandem.cli.main synth --like "$name" -o "$path" "${layers[@]}" --overwrite >/tmp/synth_"$name".log 2>&1 \
+      || { say "synth $name FAILED" >&2; tail -20 /tmp/synth_"$name".log >&2; return 1; }
+  fi
+  echo "$path"
+}
+
+read -r -a models <<<"$MODELS"
+read -r -a files <<<"${MODEL_FILES:-}"
+if [[ ${#files[@]} -eq 0 && ${#models[@]} -gt 0 ]]; then
+  say "synth ${models[0]}"
+  synth "${models[0]}" >/dev/null && say "synth ${models[0]}: $(du -h "$MODEL_DIR/${models[0]}.gguf" | cut -f1)"
+fi
+
+if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
+  say "pytest -m gpu"
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py >"$OUT/pytest_gpu.log" 2>&1
+  say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
+  grep -E "relative L2|^FAILED" "$OUT/pytest_gpu.log" | head -20
+fi
+
+if [[ -n "$llama_pid" ]]; then
+  wait "$llama_pid" && say "llama-cpp-python built" || { say "llama-cpp-python build FAILED"; tail -40 /tmp/llama_build.log; }
+  grep -E "built in|already in" /tmp/llama_build.log | tail -1
+fi
+
+# -- 2. the matrix, model by model --------------------------------------------------------------------------
+targets=("${files[@]}")
+[[ ${#files[@]} -eq 0 ]] && targets=("${models[@]}")
+n_targets=${#targets[@]}
+status=0
+for k in "${!targets[@]}"; do
+  target=${targets[$k]}
+  if [[ ${#files[@]} -eq 0 ]]; then
+    say "synth $target"
+    model=$(synth "$target") || { status=1; continue; }
+    name=$target
+  else
+    model=$target
+    name=$(basename "$target" .gguf)
+  fi
+  left=$(( DEADLINE_S - $(elapsed) ))
+  share=$(( left / (n_targets - k) ))
+  if (( share < 30 )); then say "no time left for $name ($left s)"; status=1; continue; fi
+  budget=$(( share - 20 ))  # 20 s for the orchestrator's start and the report; `timeout` below is the hard stop
+  say "bench $name: $share s (budget $budget s)"
+  timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
+    --matrix "$MATRIX" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
+    --timeout "$budget" --budget "$budget" --report "$OUT/$name" >"/tmp/bench_$name.out"
+  rc=$?
+  say "bench $name: exit $rc"
+  (( rc == 0 )) || status=1
+  [[ -f "$OUT/$name/report.md" ]] && cat "$OUT/$name/report.md"
+  [[ ${#files[@]} -eq 0 ]] && rm -f "$model"  # room for the next one
+done
+
+say "done, exit $status; reports under $OUT"
+ls -R "$OUT"
+return $status
+}
+
+main 2>&1 | tee -a "$OUT/device_compare.log"
+exit "${PIPESTATUS[0]}"

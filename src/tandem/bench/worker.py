@@ -1,0 +1,147 @@
+"""One tandem benchmark run in its own process: load, warm up, time, print one JSON result line.
+
+    python -m tandem.bench.worker -m MODEL [placement flags] --pp 512,2048 --tg 128 --reps 1 -t 16 --seed 0
+
+The orchestrator (compare.py) starts one of these per engine x placement x repetition, so a crash or a
+hang costs one row, not the report. Timing protocol, the same as llamacpp_worker.py's:
+  warm-up   one prefill of min(pp, n_batch) tokens for each --pp size, then 4 decode steps (untimed);
+  pp        per --pp size: clear the KV cache, prefill `pp` random token ids (protocol.prompt_ids);
+  tg        right after the first --pp prefill, `tg` greedy decode steps (depth = first pp size).
+Exit status 0 with a result line, else non-zero with the error on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.bench.protocol import emit_result, maybe_inject, peak_rss_bytes, prompt_ids
+
+
+def int_list(text: str) -> list[int]:
+    """'512,2048' -> [512, 2048] (the --pp syntax)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The model and placement flags are tandem's own, so the worker reads a placement exactly as `tandem` does.
+    from tandem.cli.main import _add_model_flags
+
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.worker", description=__doc__)
+    _add_model_flags(p)
+    p.add_argument("--pp", type=int_list, default=[128], help="prompt sizes, comma-separated")
+    p.add_argument("--tg", type=int, default=64, help="decode steps")
+    p.add_argument("--reps", type=int, default=1, help="timed repetitions in this process")
+    p.add_argument("--seed", type=int, default=0, help="first prompt seed (repetition r uses seed + r)")
+    return p
+
+
+def _time_rep(llm: Any, pp_sizes: Sequence[int], tg: int, seed: int, sync: Any) -> tuple[dict[int, float], float]:
+    import torch
+
+    engine = llm.engine
+    n_vocab = llm.config.n_vocab
+    pp_s: dict[int, float] = {}
+    tg_s = 0.0
+    for k, pp in enumerate(pp_sizes):
+        ids = prompt_ids(n_vocab, pp, seed)
+        engine.reset()
+        start = time.perf_counter()
+        logits = engine.append(ids)
+        token = int(torch.argmax(logits))  # reads the logits back: the prefill is finished on any device
+        pp_s[pp] = time.perf_counter() - start
+        if k == 0:
+            start = time.perf_counter()
+            for _ in range(tg):
+                token = int(torch.argmax(engine.append([token])))
+            sync()
+            tg_s = time.perf_counter() - start
+    return pp_s, tg_s
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the model with the placement flags, warm up, time `args.reps` repetitions."""
+    from tandem.bench.vram import VramSampler
+
+    sampler = VramSampler().start()  # baseline before anything touches the GPU
+    import torch
+
+    from tandem.api import LLM
+
+    start = time.perf_counter()
+    llm = LLM(
+        args.model,
+        device=args.device,
+        n_ctx=args.ctx_size,
+        threads=args.threads,
+        cache_type=args.cache_type,
+        n_batch=args.batch_size,
+        cpu_moe=args.cpu_moe,
+        n_cpu_moe=args.n_cpu_moe,
+        override_tensor=args.override_tensor,
+        gpu_memory=args.gpu_memory,
+        tp=args.tp,
+        **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
+    )
+    on_gpu = llm.plan.compute_device != "cpu"
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    sync()
+    load_s = time.perf_counter() - start
+    try:
+        warm = sorted({min(pp, args.batch_size) for pp in args.pp})
+        _time_rep(llm, warm, min(args.tg, 4), seed=-1, sync=sync)
+        reps = [_time_rep(llm, args.pp, args.tg, args.seed + r, sync) for r in range(args.reps)]
+        n_threads = llm.threads
+        # Where the weights are once loaded (the loader's own account when it gives one), else the plan.
+        summary = getattr(llm, "placement_summary", None)
+        weight_bytes = dict(summary() if callable(summary) else llm.plan.weight_bytes)
+    finally:
+        llm.close()
+    vram = sampler.stop()
+    torch_peak = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch_peak = int(max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())))
+    return {
+        "engine": "tandem",
+        "ok": True,
+        "load_s": load_s,
+        "threads": n_threads,
+        "pp_s": {str(pp): [r[0][pp] for r in reps] for pp in args.pp},
+        "tg_s": [r[1] for r in reps],
+        "peak_rss_bytes": peak_rss_bytes(),
+        "vram": vram.as_dict(),
+        "torch_peak_bytes": torch_peak,
+        "weight_bytes": weight_bytes,
+        "version": _version(),
+    }
+
+
+def _version() -> str:
+    from tandem import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; the result goes to stdout as one marked JSON line."""
+    maybe_inject("tandem")
+    args = build_parser().parse_args(argv)
+    emit_result(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""`tandem bench --compare llamacpp --report DIR`: placement translation, failure rows, files, exit codes.
+
+The failure tests force each failure the report must survive: the peer missing (--peer-lib at an empty
+directory), a worker crash and a bad result line (TANDEM_BENCH_INJECT, see tandem/bench/protocol.py), and a
+timeout (a hanging worker under a tiny --timeout). The side-by-side test runs only where the llama-cpp-python
+CPU build (scripts/build_llamacpp.sh) is importable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.bench.compare import _stop, default_peer_lib, run_worker
+from tandem.bench.protocol import INJECT_ENV, parse_result, prompt_ids
+from tandem.bench.report import Row
+from tandem.bench.spec import LLAMA_ALL_EXPERTS, LLAMA_LAYER_EXPERTS, Placement, parse_matrix, to_llama
+from tandem.cli.main import main
+from tandem.errors import TandemError
+from tandem.gguf import open_gguf
+from tandem.models import read_config
+from tandem.placement import PlacementRequest, RuntimeShape, plan_placement
+
+FAST = ["--pp", "4,8", "--tg", "2", "-t", "1", "-c", "64"]
+
+
+def _llama_devices(names: list[str], placement: dict) -> dict[str, str]:
+    """Where llama.cpp puts each tensor, given the translated placement: first matching override, else default."""
+    default = "cuda:0" if placement["n_gpu_layers"] != 0 else "cpu"
+    out = {}
+    for name in names:
+        out[name] = next((d for p, d in placement["overrides"] if re.search(p, name)), default)
+    return out
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"cpu_moe": True},
+        {"n_cpu_moe": 1},
+        {"override_tensor": ["blk\\.1\\.ffn_up_exps=cpu"], "n_cpu_moe": 1},
+        {"gpu_memory": -1},  # one byte short of the all-GPU plan: --gpu-memory must move layer 0's experts
+    ],
+)
+def test_translation_places_the_same_tensors(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict) -> None:
+    f = open_gguf(tiny_qwen3moe_gguf[1])
+    cfg = read_config(f)
+    shape = RuntimeShape(n_ctx=64, n_batch=8)
+    if flags.get("gpu_memory") == -1:
+        full = plan_placement(f, cfg, PlacementRequest.from_flags(device="cuda"), shape)
+        flags = {"gpu_memory": full.gpu_bytes() - 1}
+    req = PlacementRequest.from_flags(device="cuda", **flags)
+    plan = plan_placement(f, cfg, req, shape)
+    assert plan.cpu_expert_layers or not (flags.get("gpu_memory") or flags.get("cpu_moe") or flags.get("n_cpu_moe"))
+    llama = to_llama(req, plan).as_dict()
+    assert llama["n_gpu_layers"] == -1
+    # token_embd stays on the CPU in llama.cpp whatever the flags (its input layer): compare the rest.
+    names = [n for n in f.tensors if n != "token_embd.weight"]
+    assert _llama_devices(names, llama) == {n: plan.devices[n] for n in names}
+
+
+def test_translation_patterns_and_order() -> None:
+    assert to_llama(PlacementRequest.from_flags(device="cpu")).as_dict() == {
+        "n_gpu_layers": 0,
+        "main_gpu": 0,
+        "overrides": [],
+    }
+    cpu_moe = to_llama(PlacementRequest.from_flags(device="cuda:1", cpu_moe=True))
+    assert (cpu_moe.n_gpu_layers, cpu_moe.main_gpu, cpu_moe.overrides) == (-1, 1, ((LLAMA_ALL_EXPERTS, "cpu"),))
+    mixed = to_llama(PlacementRequest.from_flags(device="cuda", n_cpu_moe=2, override_tensor=["output=cuda"]))
+    assert mixed.overrides == (
+        ("output", "cuda:0"),  # -ot first, as in tandem's plan and llama.cpp's flag order
+        (LLAMA_LAYER_EXPERTS.format(layer=0), "cpu"),
+        (LLAMA_LAYER_EXPERTS.format(layer=1), "cpu"),
+    )
+    assert LLAMA_LAYER_EXPERTS.format(layer=7) == r"blk\.7\.ffn_(up|down|gate_up|gate)_(ch|)exps"
+    with pytest.raises(TandemError, match="--tp 2"):
+        to_llama(PlacementRequest.from_flags(device="cuda", tp=2))
+
+
+def test_matrix_and_labels() -> None:
+    base = Placement(device="cuda", override_tensor=("x=cpu",))
+    got = parse_matrix("all, cpu-moe, n-cpu-moe=half, n-cpu-moe=3", base, n_layers=48)
+    assert [(p.cpu_moe, p.n_cpu_moe, p.override_tensor) for p in got] == [
+        (False, 0, ("x=cpu",)),
+        (True, 0, ("x=cpu",)),
+        (False, 24, ("x=cpu",)),
+        (False, 3, ("x=cpu",)),
+    ]
+    assert got[1].label == "cuda --cpu-moe --override-tensor=x=cpu"
+    assert Placement(device="cuda").label == "cuda (all)"
+    with pytest.raises(TandemError, match="--matrix"):
+        parse_matrix("cpu-moe,bogus", base, 48)
+
+
+def test_protocol_prompt_and_result_line() -> None:
+    assert prompt_ids(100, 5, seed=3) == prompt_ids(100, 5, seed=3) != prompt_ids(100, 5, seed=4)
+    assert all(0 <= t < 100 for t in prompt_ids(100, 50, 0))
+    out = 'noise\nTANDEM_BENCH_RESULT {"ok": true}\nmore noise\n'
+    assert parse_result(out) == {"ok": True}
+    assert parse_result("nothing") is None
+
+
+def _report(d: Path) -> dict:
+    assert (d / "report.md").is_file() and (d / "report.png").stat().st_size > 1000
+    return json.loads((d / "report.json").read_text())
+
+
+def test_peer_missing_still_reports(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "no_peer"
+    empty.mkdir()
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "1"]
+    rc = main([*argv, "--compare", "llamacpp", "--peer-lib", str(empty), "--report", str(out)])
+    assert rc == 1
+    rep = _report(out)
+    tandem, llama = rep["rows"]
+    assert (tandem["engine"], tandem["status"], llama["engine"], llama["status"]) == (
+        "tandem",
+        "ok",
+        "llamacpp",
+        "peer missing",
+    )
+    assert tandem["pp_tok_s"]["4"] > 0 and tandem["pp_tok_s"]["8"] > 0 and tandem["tg_tok_s"] > 0
+    assert tandem["vram_used_bytes"] is None and rep["machine"]["gpu_note"] == "no GPU"  # this CPU machine
+    assert "no llama_cpp package" in llama["error"]
+    assert rep["exit_code"] == 1 and rep["finished"]
+    md = (out / "report.md").read_text()
+    assert "| tandem | `cpu` | ok |" in md and "peer missing" in md and "no GPU" in md
+    assert "| tandem | `cpu` | ok |" in capsys.readouterr().out
+
+
+def test_timeout_and_crash_rows(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(INJECT_ENV, "hang:tandem,crash:llamacpp")
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "3", "--timeout", "1"]
+    assert main([*argv, "--compare", "llamacpp", "--peer-lib", str(tmp_path), "--report", str(out)]) == 1
+    rep = _report(out)
+    tandem, llama = rep["rows"]
+    assert tandem["status"] == "timeout" and tandem["error"].startswith("timed out after 1 s")
+    assert llama["status"] == "failed" and "exit status 3" in llama["error"] and "injected crash" in llama["error"]
+    assert tandem["reps_done"] == llama["reps_done"] == 0 and rep["exit_code"] == 1
+    md = (out / "report.md").read_text()
+    assert "| tandem | `cpu` | timeout |" in md and "| llama.cpp | `cpu` | failed |" in md and "injected crash" in md
+
+
+def test_run_worker_outcomes() -> None:
+    ok = run_worker([sys.executable, "-c", "print('x'); print('TANDEM_BENCH_RESULT {\"a\": 1}')"], 30)
+    assert (ok.status, ok.result) == ("ok", {"a": 1})
+    garbage = run_worker([sys.executable, "-c", "print('no result')"], 30)
+    assert garbage.status == "failed" and "no result line" in (garbage.error or "")
+    crash = run_worker([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(5)"], 30)
+    assert crash.status == "failed" and crash.error == "exit status 5\nboom"
+    missing = run_worker([sys.executable, "-c", "import sys; sys.exit(4)"], 30, peer=True)
+    assert missing.status == "peer missing"
+    slow = run_worker([sys.executable, "-c", "import time; time.sleep(30)"], 0.3)
+    assert slow.status == "timeout" and slow.wall_s < 10
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--pp", "0"], ["--matrix", "nonsense"], ["--n-cpu-moe", "9"], ["--timeout", "0"], ["--pp", "60,8", "-c", "64"]],
+)
+def test_usage_errors_exit_2(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, extra: list[str]) -> None:
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), "--tg", "8", "--report", str(tmp_path / "r"), *extra]
+    assert main(argv) == 2
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_pp_list_is_an_argparse_error() -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--pp", "512,abc"])
+    assert e.value.code == 2
+
+
+def test_plain_bench_takes_a_pp_list(tiny_qwen3moe_gguf: tuple[Path, Path], capsys) -> None:
+    assert main(["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill pp4:" in out and "prefill pp8:" in out and "decode  tg2:" in out
+
+
+def _peer_importable() -> bool:
+    lib = default_peer_lib("cpu")
+    if not (lib / "llama_cpp" / "__init__.py").is_file():
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], env={"PYTHONPATH": str(lib)}, timeout=60)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _peer_importable(), reason="llama-cpp-python CPU build not there (scripts/build_llamacpp.sh)")
+def test_side_by_side_with_llamacpp(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "1", "--cpu-moe"]
+    assert main([*argv, "--compare", "llamacpp", "--report", str(out)]) == 0
+    rep = _report(out)
+    tandem, llama = rep["rows"]
+    assert tandem["status"] == llama["status"] == "ok" and rep["exit_code"] == 0
+    assert llama["llama_placement"] == {"n_gpu_layers": 0, "main_gpu": 0, "overrides": [[LLAMA_ALL_EXPERTS, "cpu"]]}
+    assert llama["pp_tok_s"]["8"] > 0 and llama["tg_tok_s"] > 0 and llama["peak_rss_bytes"] > 0
+    assert set(tandem["ratio_tandem_over_llamacpp"]) == {"pp4", "pp8", "tg2"}
+    assert "×" in (out / "report.md").read_text()
+
+
+def test_budget_rows(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--budget", "0.001", "--report", str(out)]
+    assert main(argv) == 1
+    (row,) = _report(out)["rows"]
+    assert row["status"] == "not run" and "time budget" in row["error"]
+    cut = Row("tandem", 0, Placement(), runs=[{"pp_s": {}, "tg_s": [], "load_s": 1.0}])
+    _stop(cut, 3, "the time budget was spent")
+    assert (cut.status, cut.error) == ("partial", "the time budget was spent after 1 of 3 repetitions")
