@@ -15,7 +15,6 @@ from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.placement.request import parse_size
 
-
 HOST_TABLE = "token_embd.weight"  # untied: read a row at a time, so it stays in host RAM (as in llama.cpp)
 
 
