@@ -18,12 +18,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.cuda import qkernels as qk
-from tandem.quant.types import GPU_NATIVE_TYPES
+from tandem.quant.types import GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES
 
 QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
 DEQUANT_BN = 16
 GMM_BM, GMM_BN, GMM_BK = 64, 64, 64
-EXPERT_CHUNK_BYTES = 256 << 20  # dequantized experts held at once during a prefill product
 
 
 @dataclass(eq=False)
@@ -74,10 +73,15 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
     m, k = x.shape
     assert k == w.n_in, (x.shape, w.shape)
     x = x.contiguous()
-    if m > QMV_MAX_ROWS:
-        dense = dequantize_rows_gpu(w, 0, w.n_out, torch.float32 if ieee else torch.bfloat16)
-        return (x.to(dense.dtype) @ dense.T).to(x.dtype)
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
+    if m > QMV_MAX_ROWS:  # dequantize a bounded slice of rows at a time, multiply with cuBLAS
+        dtype = torch.float32 if ieee else torch.bfloat16
+        rows = max(1, GPU_DEQUANT_CHUNK_BYTES // (k * dtype.itemsize))
+        xd = x.to(dtype)
+        for r0 in range(0, w.n_out, rows):
+            n = min(rows, w.n_out - r0)
+            y[:, r0 : r0 + n] = (xd @ dequantize_rows_gpu(w, r0, n, dtype).T).to(x.dtype)
+        return y
     grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
     qk._qmv[grid](
         w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), HAS_IDS=False, **_sub(w.qtype)
@@ -105,7 +109,7 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
     tile_expert, slots = _align_slots(flat, n_experts, GMM_BM)
     tiles_per_expert = torch.bincount(tile_expert.long(), minlength=n_experts).tolist()  # host sync (prefill)
     dtype = torch.float32 if ieee else torch.bfloat16
-    per_chunk = max(1, EXPERT_CHUNK_BYTES // (n * k * dtype.itemsize))
+    per_chunk = max(1, GPU_DEQUANT_CHUNK_BYTES // (n * k * dtype.itemsize))
     tile0 = 0
     for e0 in range(0, n_experts, per_chunk):
         n_tiles = sum(tiles_per_expert[e0 : e0 + per_chunk])

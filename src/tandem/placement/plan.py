@@ -11,6 +11,7 @@ from tandem.errors import PlacementError
 from tandem.gguf import GGUFFile
 from tandem.models.config import ModelConfig
 from tandem.placement.request import PlacementRequest
+from tandem.quant.types import CUBLAS_WORKSPACE_BYTES, GPU_DEQUANT_CHUNK_BYTES
 
 # The routed-expert tensors, as llama.cpp's --cpu-moe names them.
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(?:up|down|gate_up|gate)_(?:ch|)exps")
@@ -91,13 +92,15 @@ def kv_cache_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
 
 
 def workspace_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
-    """Activations of one prefill batch in float32: residual stream and projections, the widest MLP,
-    one layer's attention scores, and one row of logits."""
+    """Transient GPU memory: activations of one prefill batch in float32 (residual stream and
+    projections, the widest MLP, one layer's attention scores, one row of logits), the bounded slice of
+    dequantized blocks a prefill product uses, and cuBLAS's workspace."""
     ffn = max(cfg.ffn_dim, cfg.moe.expert_ffn_dim * cfg.moe.n_active if cfg.moe else 0)
     qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * max(cfg.head_dim, cfg.value_dim)
     per_token = 4 * cfg.hidden + 3 * ffn + 2 * qkv
     scores = cfg.n_heads * shape.n_batch * shape.n_ctx
-    return 4 * (shape.n_batch * per_token + scores + cfg.n_vocab)
+    activations = 4 * (shape.n_batch * per_token + scores + cfg.n_vocab)
+    return activations + GPU_DEQUANT_CHUNK_BYTES + CUBLAS_WORKSPACE_BYTES
 
 
 def _assign(f: GGUFFile, req: PlacementRequest, cfg: ModelConfig) -> tuple[dict[str, str], list[str]]:

@@ -35,6 +35,12 @@ GPU_NATIVE_TYPES: frozenset[Q] = frozenset({Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5
 GPU_FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
+# Transient GPU memory of a prefill product: blocks are dequantized to floats at most this much at a time.
+GPU_DEQUANT_CHUNK_BYTES = 64 << 20
+# cuBLAS's workspace, which torch takes from its allocator on Hopper (CUBLAS_WORKSPACE_CONFIG default).
+CUBLAS_WORKSPACE_BYTES = 32 << 20
+
+
 def gpu_resident_bytes(qtype: Q, n_elements: int, file_bytes: int, dtype_bytes: int) -> int:
     """VRAM a tensor takes on the GPU: its file bytes when kept as blocks or floats, else dequantized."""
     if qtype in GPU_NATIVE_TYPES or qtype in GPU_FLOAT_TYPES:
