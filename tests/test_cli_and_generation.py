@@ -1,0 +1,102 @@
+"""The CLI commands and the generation API (sampling, stop strings, streaming, chat) on tiny models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tandem
+from tandem.cli.main import main
+from tandem.errors import ChatTemplateError, TandemError
+from tandem.runtime.generate import TextStream
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_qwen3_gguf: tuple[Path, Path]) -> tandem.LLM:
+    llm = tandem.LLM(tiny_qwen3_gguf[1], device="cpu", threads=2, n_ctx=256)
+    yield llm
+    llm.close()
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(qwen: tandem.LLM) -> None:
+    a = qwen.generate_ids("hello world", max_tokens=12, temperature=1.0, seed=3, top_k=0, top_p=1.0, min_p=0.0)
+    b = qwen.generate_ids("hello world", max_tokens=12, temperature=1.0, seed=3, top_k=0, top_p=1.0, min_p=0.0)
+    c = qwen.generate_ids("hello world", max_tokens=12, temperature=1.0, seed=4, top_k=0, top_p=1.0, min_p=0.0)
+    assert a == b and a != c
+    g1 = qwen.generate_ids("hello world", max_tokens=8, temperature=0)
+    assert g1 == qwen.generate_ids("hello world", max_tokens=8, temperature=0)
+
+
+def test_top_k_one_is_greedy(qwen: tandem.LLM) -> None:
+    greedy = qwen.generate_ids("the ocean", max_tokens=8, temperature=0)
+    assert qwen.generate_ids("the ocean", max_tokens=8, temperature=1.5, top_k=1, seed=1) == greedy
+
+
+def test_streaming_equals_whole_text_and_stop_strings_cut(qwen: tandem.LLM) -> None:
+    whole = qwen.generate("some text", max_tokens=16, temperature=0)
+    pieces = list(qwen.generate("some text", max_tokens=16, temperature=0, stream=True))
+    assert "".join(pieces) == whole and len(whole) > 0
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 2]
+    if stop.strip():
+        cut = qwen.generate("some text", max_tokens=16, temperature=0, stop=[stop])
+        assert stop not in cut and whole.startswith(cut)
+
+
+def test_text_stream_holds_partial_utf8_and_stop_prefixes() -> None:
+    s = TextStream(stop=["END"])
+    snow = "☃".encode()
+    assert s.push(snow[:1]) == "" and s.push(snow[1:]) == "☃"
+    assert s.push(b"abE") == "ab"  # "E" may start "END"
+    assert s.push(b"N") == ""
+    assert s.push(b"D tail") == "" and s.stopped
+
+
+def test_bad_sampling_values_are_errors(qwen: tandem.LLM) -> None:
+    with pytest.raises(TandemError, match="top_p"):
+        qwen.generate("x", top_p=0.0)
+
+
+def test_chat_uses_the_template(qwen: tandem.LLM) -> None:
+    prompt = qwen.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "<|im_start|>user\nhi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert isinstance(qwen.chat([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0), str)
+
+
+def test_tokenize_detokenize_round_trip(qwen: tandem.LLM) -> None:
+    text = "The quick brown fox, 42 times!"
+    assert qwen.detokenize(qwen.tokenize(text, add_special=False)) == text
+
+
+def test_cli_run_streams_text(tiny_qwen3_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "-m", str(tiny_qwen3_gguf[1]), "-p", "hello", "-n", "6", "--temp", "0", "-t", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hello") and len(out) > len("hello\n")
+
+
+def test_cli_chat_is_multi_turn(tiny_qwen3_gguf: tuple[Path, Path]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "chat", "-m", str(tiny_qwen3_gguf[1]), "-n", "4", "--temp", "0",
+         "-t", "2", "-c", "512"],
+        input="hi\nand again\n\n", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") >= 2  # two turns answered, then the empty line ends the session
+
+
+def test_chat_without_template_is_a_clear_error(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    from tandem.api import default_model_path
+
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        with tandem.LLM(default_model_path(), threads=2, n_ctx=128) as llm:  # Gemma 3 270M has none
+            llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_cli_bench_json(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["bench", "-m", str(tiny_qwen3moe_gguf[1]), "--pp", "16", "--tg", "4", "--reps", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pp_tok_s"] > 0 and result["tg_tok_s"] > 0 and result["peak_rss_bytes"] > 0
