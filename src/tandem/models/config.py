@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.errors import UnsupportedModelError
 from tandem.gguf import GGUFFile
@@ -102,6 +103,22 @@ def common_hparams(f: GGUFFile) -> CommonHParams:
         rms_eps=float(f.arch_require("attention.layer_norm_rms_epsilon")),
         rope_base=float(f.arch_get("rope.freq_base", 10000.0)),
     )
+
+
+def shape_fields(f: GGUFFile, hp: CommonHParams) -> dict[str, Any]:
+    """The ModelConfig fields every architecture takes straight from the common hyper-parameters."""
+    return {
+        "arch": f.arch,
+        "n_vocab": hp.n_vocab,
+        "hidden": hp.hidden,
+        "n_heads": hp.n_heads,
+        "n_kv_heads": hp.n_kv_heads,
+        "head_dim": hp.head_dim,
+        "value_dim": hp.value_dim,
+        "ffn_dim": hp.ffn_dim,
+        "context_length": hp.context_length,
+        "rms_eps": hp.rms_eps,
+    }
 
 
 def moe_spec(f: GGUFFile, renormalize: bool) -> MoESpec:

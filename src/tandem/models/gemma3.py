@@ -10,7 +10,7 @@ import math
 
 from tandem.gguf import GGUFFile
 from tandem.layers.rope import RopeSpec
-from tandem.models.config import LayerSpec, ModelConfig, common_hparams, rope_scale, sliding_window_layers
+from tandem.models.config import LayerSpec, ModelConfig, common_hparams, rope_scale, shape_fields, sliding_window_layers
 
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
 
@@ -32,16 +32,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
     # Gemma 3 27B scales queries by 1/sqrt(hidden / heads); the others by 1/sqrt(head_dim).
     query_scale = hp.hidden // hp.n_heads if hp.n_layers == 62 else hp.head_dim
     return ModelConfig(
-        arch=f.arch,
-        n_vocab=hp.n_vocab,
-        hidden=hp.hidden,
-        n_heads=hp.n_heads,
-        n_kv_heads=hp.n_kv_heads,
-        head_dim=hp.head_dim,
-        value_dim=hp.value_dim,
-        ffn_dim=hp.ffn_dim,
-        context_length=hp.context_length,
-        rms_eps=hp.rms_eps,
+        **shape_fields(f, hp),
         activation="gelu_tanh",
         qk_norm=True,
         sandwich_norms=True,

@@ -71,9 +71,10 @@ def read_config(f: GGUFFile) -> ModelConfig:
     n_kv = _per_layer(f, "attention.head_count_kv", n_layers, n_heads[0])
     head_full = int(f.arch_get("attention.key_length", hidden // n_heads[0]))
     head_swa = int(f.arch_get("attention.key_length_swa", head_full))
-    if int(f.arch_get("attention.value_length", head_full)) != head_full or int(
-        f.arch_get("attention.value_length_swa", head_swa)
-    ) != head_swa:
+    if (
+        int(f.arch_get("attention.value_length", head_full)) != head_full
+        or int(f.arch_get("attention.value_length_swa", head_swa)) != head_swa
+    ):
         raise UnsupportedModelError(f"{f.path.name}: Gemma 4 needs equal key and value head sizes")
     rot_full = int(f.arch_get("rope.dimension_count", head_full))
     rot_swa = int(f.arch_get("rope.dimension_count_swa", rot_full))
@@ -195,8 +196,9 @@ def build_block(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader,
     if spec.moe:
         # Both branches read the residual stream and norm it themselves: FFN(x) = dense(x) + moe(x).
         ffn = ParallelFFN(
-            dense=NormedFFN(dense, pre_norm=ffn_norm, post_norm=loader.vector(p + "post_ffw_norm_1.weight"),
-                            eps=cfg.rms_eps),  # fmt: skip
+            dense=NormedFFN(
+                dense, pre_norm=ffn_norm, post_norm=loader.vector(p + "post_ffw_norm_1.weight"), eps=cfg.rms_eps
+            ),  # fmt: skip
             sparse=_routed(cfg, i, loader),
         )
         ffn_norm = None

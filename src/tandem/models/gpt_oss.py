@@ -26,6 +26,7 @@ from tandem.models.config import (
     ModelConfig,
     common_hparams,
     moe_spec,
+    shape_fields,
     sliding_window_layers,
     yarn_rope_scaling,
 )
@@ -48,16 +49,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
         LayerSpec(sliding_window=window if swa else None, rope=swa_rope if swa else rope, moe=True) for swa in is_swa
     )
     return ModelConfig(
-        arch=f.arch,
-        n_vocab=hp.n_vocab,
-        hidden=hp.hidden,
-        n_heads=hp.n_heads,
-        n_kv_heads=hp.n_kv_heads,
-        head_dim=hp.head_dim,
-        value_dim=hp.value_dim,
-        ffn_dim=hp.ffn_dim,
-        context_length=hp.context_length,
-        rms_eps=hp.rms_eps,
+        **shape_fields(f, hp),
         activation="swiglu_oai",
         qk_norm=False,
         sandwich_norms=False,

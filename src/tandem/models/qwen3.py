@@ -4,23 +4,14 @@ from __future__ import annotations
 
 from tandem.gguf import GGUFFile
 from tandem.layers.rope import RopeSpec
-from tandem.models.config import LayerSpec, ModelConfig, common_hparams, default_attn_scale, rope_scale
+from tandem.models.config import LayerSpec, ModelConfig, common_hparams, default_attn_scale, rope_scale, shape_fields
 
 
 def read_config(f: GGUFFile) -> ModelConfig:
     hp = common_hparams(f)
     rope = RopeSpec(base=hp.rope_base, dim=hp.head_dim, scale=rope_scale(f))
     return ModelConfig(
-        arch=f.arch,
-        n_vocab=hp.n_vocab,
-        hidden=hp.hidden,
-        n_heads=hp.n_heads,
-        n_kv_heads=hp.n_kv_heads,
-        head_dim=hp.head_dim,
-        value_dim=hp.value_dim,
-        ffn_dim=hp.ffn_dim,
-        context_length=hp.context_length,
-        rms_eps=hp.rms_eps,
+        **shape_fields(f, hp),
         activation="silu",
         qk_norm=True,
         sandwich_norms=False,

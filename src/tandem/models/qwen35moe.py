@@ -29,7 +29,15 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.rope import RopeSpec
 from tandem.layers.shared_expert import MoEWithSharedExpert, SharedExpert
 from tandem.models.blocks import Block, RopeCache, standard_ffn
-from tandem.models.config import LayerSpec, ModelConfig, common_hparams, default_attn_scale, moe_spec, rope_scale
+from tandem.models.config import (
+    LayerSpec,
+    ModelConfig,
+    common_hparams,
+    default_attn_scale,
+    moe_spec,
+    rope_scale,
+    shape_fields,
+)
 from tandem.runtime.loader import WeightLoader
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the file has no layer list
@@ -71,16 +79,7 @@ def read_config(f: GGUFFile) -> HybridConfig:
     )
     moe = moe_spec(f, renormalize=True)
     return HybridConfig(
-        arch=f.arch,
-        n_vocab=hp.n_vocab,
-        hidden=hp.hidden,
-        n_heads=hp.n_heads,
-        n_kv_heads=hp.n_kv_heads,
-        head_dim=hp.head_dim,
-        value_dim=hp.value_dim,
-        ffn_dim=hp.ffn_dim,
-        context_length=hp.context_length,
-        rms_eps=hp.rms_eps,
+        **shape_fields(f, hp),
         activation="silu",
         qk_norm=True,
         sandwich_norms=False,
