@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tandem run -p "The three most useful things to know about the ocean are" -n 64 --temp 0
+	$(VENV)/bin/tandem run -p "The three most useful things to know about the ocean are" -n 64 --temp 0.7 --top-p 0.9 --seed 42 --repeat-penalty 1.15
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts bench
