@@ -218,3 +218,23 @@ def test_budget_rows(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> N
     cut = Row("tandem", 0, Placement(), runs=[{"pp_s": {}, "tg_s": [], "load_s": 1.0}])
     _stop(cut, 3, "the time budget was spent")
     assert (cut.status, cut.error) == ("partial", "the time budget was spent after 1 of 3 repetitions")
+
+
+def test_report_is_written_when_the_chart_cannot_be_drawn(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """matplotlib once failed to import on the GPU image: the report must still be whole and say so."""
+    import tandem.bench.plot as plot
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise SystemError("ft2font returned NULL")
+
+    monkeypatch.setattr(plot, "render_png", broken)
+    empty = tmp_path / "no_peer"
+    empty.mkdir()
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "1"]
+    assert main([*argv, "--compare", "llamacpp", "--peer-lib", str(empty), "--report", str(out)]) == 1
+    md = (out / "report.md").read_text()
+    assert "report.png was not drawn: SystemError: ft2font returned NULL" in md
+    assert "| tandem | `cpu` | ok |" in md and (out / "report.json").is_file() and not (out / "report.png").exists()

@@ -299,9 +299,14 @@ def write_report(report: Report, directory: Path, png: bool = True) -> None:
     _atomic_write(directory / "report.json", json.dumps(report.to_json(), indent=1) + "\n")
     _atomic_write(directory / "report.md", render_markdown(report))
     if png:
-        from tandem.bench.plot import render_png
+        try:
+            from tandem.bench.plot import render_png
 
-        render_png(report, directory / "report.png")
+            render_png(report, directory / "report.png")
+        except Exception as e:  # the chart is a convenience: a broken matplotlib must not cost the report
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            note = f"\n_report.png was not drawn: {type(e).__name__}: {first_line}_\n"
+            _atomic_write(directory / "report.md", render_markdown(report) + note)
 
 
 def _atomic_write(path: Path, text: str) -> None:
