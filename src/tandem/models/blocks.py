@@ -65,10 +65,9 @@ class RopeCache(dict[RopeSpec, Rope]):
         return self[spec]
 
 
-def standard_attention(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader, ropes: RopeCache) -> Attention:
-    """Llama-like GQA attention of layer i, with the optional q/k norms of the config."""
-    p = f"blk.{i}."
-    shape = AttentionShape(
+def attention_shape(cfg: ModelConfig, spec: LayerSpec) -> AttentionShape:
+    """The attention geometry of a layer: the model's heads and dims, the layer's window."""
+    return AttentionShape(
         n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
@@ -77,8 +76,13 @@ def standard_attention(cfg: ModelConfig, i: int, spec: LayerSpec, loader: Weight
         sliding_window=spec.sliding_window,
         softcap=cfg.attn_logit_softcap,
     )
+
+
+def standard_attention(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader, ropes: RopeCache) -> Attention:
+    """Llama-like GQA attention of layer i, with the optional q/k norms of the config."""
+    p = f"blk.{i}."
     return Attention(
-        shape=shape,
+        shape=attention_shape(cfg, spec),
         q=loader.linear(p + "attn_q.weight"),
         k=loader.linear(p + "attn_k.weight"),
         v=loader.linear(p + "attn_v.weight"),

@@ -16,11 +16,11 @@ import torch
 
 from tandem.gguf import GGUFFile
 from tandem.layers.activations import swiglu_oai
-from tandem.layers.attention import Attention, AttentionShape
+from tandem.layers.attention import Attention
 from tandem.layers.linear import BiasedLinear, Linear
 from tandem.layers.moe import GLUExperts, MoE, TopKSoftmaxRouter
 from tandem.layers.rope import RopeSpec
-from tandem.models.blocks import Block, RopeCache
+from tandem.models.blocks import Block, RopeCache, attention_shape
 from tandem.models.config import (
     LayerSpec,
     ModelConfig,
@@ -77,14 +77,7 @@ def build_block(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader,
     p = f"blk.{i}."
     assert cfg.moe is not None
     attention = Attention(
-        shape=AttentionShape(
-            n_heads=cfg.n_heads,
-            n_kv_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim,
-            value_dim=cfg.value_dim,
-            scale=cfg.attn_scale,
-            sliding_window=spec.sliding_window,
-        ),
+        shape=attention_shape(cfg, spec),
         q=_linear(loader, p + "attn_q"),
         k=_linear(loader, p + "attn_k"),
         v=_linear(loader, p + "attn_v"),

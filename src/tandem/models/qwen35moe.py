@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from tandem.errors import UnsupportedModelError
 from tandem.gguf import GGUFFile
 from tandem.layers.activations import activation
-from tandem.layers.attention import AttentionShape
 from tandem.layers.delta_net import DeltaNetShape, FusedBetaAlpha, GatedDeltaNet, SplitBetaAlpha
 from tandem.layers.gated_attention import GatedAttention
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.rope import RopeSpec
 from tandem.layers.shared_expert import MoEWithSharedExpert, SharedExpert
-from tandem.models.blocks import Block, RopeCache, standard_ffn
+from tandem.models.blocks import Block, RopeCache, attention_shape, standard_ffn
 from tandem.models.config import (
     LayerSpec,
     ModelConfig,
@@ -125,14 +124,7 @@ def _gated_attention(
     cfg: HybridConfig, i: int, spec: LayerSpec, loader: WeightLoader, ropes: RopeCache
 ) -> GatedAttention:
     p = f"blk.{i}."
-    shape = AttentionShape(
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        value_dim=cfg.value_dim,
-        scale=cfg.attn_scale,
-        sliding_window=None,
-    )
+    shape = attention_shape(cfg, spec)  # full attention: these layers have no window
     return GatedAttention(
         shape=shape,
         q_gate=loader.linear(p + "attn_q.weight"),
