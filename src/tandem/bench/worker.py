@@ -19,17 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.bench.protocol import emit_result, maybe_inject, peak_rss_bytes, prompt_ids
-
-
-def int_list(text: str) -> list[int]:
-    """'512,2048' -> [512, 2048] (the --pp syntax)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+from tandem.cli.main import int_list
 
 
 def build_parser() -> argparse.ArgumentParser:

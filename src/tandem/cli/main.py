@@ -57,8 +57,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _int_list(text: str) -> list[int]:
-    """'512,2048' -> [512, 2048]."""
+def int_list(text: str) -> list[int]:
+    """'512,2048' -> [512, 2048] (the --pp syntax)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="prefill and decode tokens/s, peak memory; --compare llamacpp")
     _add_model_flags(bench)
     bench.add_argument(
-        "--pp", type=_int_list, default=[128], help="prompt tokens to prefill, comma-separated sizes (default 128)"
+        "--pp", type=int_list, default=[128], help="prompt tokens to prefill, comma-separated sizes (default 128)"
     )
     bench.add_argument("--tg", type=int, default=64, help="tokens to generate (default 64)")
     bench.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported (default 3)")

@@ -28,6 +28,10 @@ class AttentionShape:
     sliding_window: int | None  # None: full causal attention
     softcap: float | None = None
 
+    def new_kv(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
+        """The KV buffers of a layer with this geometry."""
+        return LayerKV.allocate(n_ctx, self.n_kv_heads, self.head_dim, self.value_dim, dtype, device)
+
 
 @dataclass
 class Attention:
@@ -44,8 +48,7 @@ class Attention:
     sinks: torch.Tensor | None = None  # [H] learned logit of an extra "sink" key per head (gpt-oss)
 
     def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
-        s = self.shape
-        return LayerKV.allocate(n_ctx, s.n_kv_heads, s.head_dim, s.value_dim, dtype, device)
+        return self.shape.new_kv(n_ctx, dtype, device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape

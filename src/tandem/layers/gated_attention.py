@@ -36,8 +36,7 @@ class GatedAttention:
             raise ValueError("gated attention needs value_dim == head_dim (the gate has head_dim channels per head)")
 
     def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
-        s = self.shape
-        return LayerKV.allocate(n_ctx, s.n_kv_heads, s.head_dim, s.value_dim, dtype, device)
+        return self.shape.new_kv(n_ctx, dtype, device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape

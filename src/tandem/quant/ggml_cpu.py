@@ -220,10 +220,7 @@ class CPUKernels:
         y = _output(out, (t, a, n))
         if t == 0 or a == 0:
             return y
-        # ggml aborts the whole process on an out-of-range id: check here instead.
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < 0 or int(hi) >= e:
-            raise ValueError(f"expert ids must be in [0, {e}), got range [{int(lo)}, {int(hi)}]")
+        _check_ids(ids, e)
         key = (1, int(w.qtype), e, n, k, t, a, x_slots)
         with self._lock:
             g = self._graphs.get(key)
@@ -263,9 +260,7 @@ class CPUKernels:
         t, a = ids.shape
         ids = ids.to(device="cpu", dtype=torch.int32).contiguous()
         weights = _as_f32(weights)
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < 0 or int(hi) >= e:
-            raise ValueError(f"expert ids must be in [0, {e}), got range [{int(lo)}, {int(hi)}]")
+        _check_ids(ids, e)
         y = torch.empty(t, d, dtype=torch.float32)
         key = (2, int(gate.qtype), int(up.qtype), int(down.qtype), e, f, k, d, t, a, _GLU[glu])
         with self._lock:
@@ -420,6 +415,13 @@ class CPUKernels:
             _, old = self._graphs.popitem(last=False)
             ggml.ggml_free(old.ctx)
         return g
+
+
+def _check_ids(ids: torch.Tensor, n_experts: int) -> None:
+    """ggml aborts the whole process on an out-of-range expert id: refuse it here instead."""
+    lo, hi = torch.aminmax(ids)
+    if int(lo) < 0 or int(hi) >= n_experts:
+        raise ValueError(f"expert ids must be in [0, {n_experts}), got range [{int(lo)}, {int(hi)}]")
 
 
 def _new_tensor(ctx: int, gtype: int, ne: tuple[int, ...]) -> ggml.ggml_tensor_p:
