@@ -98,6 +98,115 @@ def test_graph_decode_matches_eager(tiny_qwen3moe_gguf: tuple[Path, Path], name:
     assert runs[0] == runs[1]
 
 
+# The architectures of issue 4: hybrid delta-net / gated attention (qwen35moe, qwen3next), Gemma 4 (sliding and
+# global layers, softcap, dense MLP beside the experts), gpt-oss (sinks, sliding window, expert biases).
+MOE_ARCHS = ["tiny_qwen35moe_gguf", "tiny_qwen3next_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"]
+# Every GPU placement, with the decode step captured as CUDA graphs and launched eagerly.
+GPU_RUNS = {
+    f"{name}{'' if graphs else '-eager'}": {**flags, "cuda_graphs": graphs}
+    for name, flags in PLACEMENTS.items()
+    if name != "cpu"
+    for graphs in (True, False)
+}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _first_difference(got: list[int], ref: list[int]) -> str:
+    i = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), min(len(got), len(ref)))
+    return f"first differs at generated token {i}: got {got[i : i + 4]}..., cpu {ref[i : i + 4]}..."
+
+
+# 5: a short prompt. 70: longer than a delta-net chunk (64) and the sliding windows (8, 16), so prefill takes
+# the chunked / windowed batch path, and >= 32, so CPU experts stream through the GPU staging window.
+@pytest.mark.parametrize("prompt_len", [5, 70])
+@pytest.mark.parametrize("fixture", MOE_ARCHS)
+def test_moe_archs_greedy_identical_across_placements(
+    fixture: str, prompt_len: int, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(fixture)[1]
+    prompt = _prompt(prompt_len, prompt_len)
+    ref = _greedy(path, prompt, device="cpu")
+    failures: dict[str, str] = {}
+    for name, flags in GPU_RUNS.items():
+        try:
+            got = _greedy(path, prompt, **flags)
+        except Exception as e:  # every placement is tried; the message lists them all
+            failures[name] = f"{type(e).__name__}: {e}"
+            continue
+        if got != ref:
+            failures[name] = _first_difference(got, ref)
+    assert not failures, f"{fixture}, prompt of {prompt_len}: greedy tokens differ from device=cpu ({ref}):\n" + (
+        "\n".join(f"  {name}: {why}" for name, why in failures.items())
+    )
+
+
+@pytest.mark.parametrize("fixture", MOE_ARCHS)
+def test_moe_archs_decode_is_captured(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Every one of these architectures gets a captured decode step on a GPU (recurrent layers included)."""
+    path = request.getfixturevalue(fixture)[1]
+    with tandem.LLM(path, device="cuda", cache_type="f32", dtype="f32", n_ctx=128) as llm:
+        graph = llm.engine._decode_graph
+        mixers = sorted({type(b.mixer).__name__ for b in llm.model.blocks})
+        assert graph is not None, f"{fixture}: no CUDA graph for the decode step (mixers: {mixers})"
+        llm.generate_ids(_prompt(9, 1), max_tokens=4, temperature=0)
+        assert graph.graph is not None, f"{fixture}: the decode step was never captured"
+
+
+def _chat_logits(path: Path, graphs: bool, flags: dict) -> tuple[torch.Tensor, list[str]]:
+    """Logits of a three-turn chat through Engine.feed / append: decode steps after each prompt; the second
+    prompt diverges after the first one's recurrent checkpoint (restored), the third before it (back to the
+    start). Returns the stacked logits and what went wrong with the engine's bookkeeping (nothing, normally)."""
+    from tandem.layers.delta_net import DeltaNetState
+
+    turn1 = _prompt(70, 6)
+    script = [
+        (turn1, _prompt(8, 7)),
+        (turn1 + _prompt(5, 8), _prompt(8, 9)),
+        (turn1[:10] + _prompt(20, 10), _prompt(6, 11)),
+    ]
+    problems: list[str] = []
+    logits = []
+    with tandem.LLM(path, cache_type="f32", dtype="f32", cuda_graphs=graphs, n_ctx=256, **flags) as llm:
+        engine = llm.engine
+        if graphs and engine._decode_graph is None:
+            problems.append("no decode graph")
+        recurrent = [layer for layer in engine.cache.layers if isinstance(layer, DeltaNetState)]
+        pointers = [(s.conv.data_ptr(), s.ssm.data_ptr()) for s in recurrent]
+        for turn, (prompt, steps) in enumerate(script):
+            # .cpu() copies: a graph's output buffer is overwritten by the next replay
+            logits.append(engine.feed(prompt).float().cpu())
+            for t in steps:
+                logits.append(engine.append([t]).float().cpu())
+            cache = engine.cache
+            expected = prompt + steps
+            if cache.tokens != expected or cache.length != len(expected):
+                problems.append(f"turn {turn}: cache holds {cache.length} positions / {len(cache.tokens)} tokens")
+            if any(s.length != cache.length for s in recurrent):
+                problems.append(f"turn {turn}: recurrent lengths {[s.length for s in recurrent]} != {cache.length}")
+            if [(s.conv.data_ptr(), s.ssm.data_ptr()) for s in recurrent] != pointers:
+                problems.append(f"turn {turn}: a recurrent state tensor was reallocated (the graph writes the old one)")
+    return torch.stack(logits), problems
+
+
+@pytest.mark.parametrize("name", ["all-gpu", "cpu-moe"])
+@pytest.mark.parametrize("fixture", MOE_ARCHS)
+def test_graph_decode_logits_match_eager_across_turns(fixture: str, name: str, request: pytest.FixtureRequest) -> None:
+    """Captured decode gives the logits of eager decode, step for step over a multi-turn chat whose turns restore
+    a recurrent checkpoint or start over (the graph must read and write the live state), within f32 rounding."""
+    path = request.getfixturevalue(fixture)[1]
+    eager, eager_problems = _chat_logits(path, False, PLACEMENTS[name])
+    graphed, graph_problems = _chat_logits(path, True, PLACEMENTS[name])
+    assert not eager_problems and not graph_problems, {"eager": eager_problems, "graphs": graph_problems}
+    diff = (graphed - eager).abs().amax(dim=-1)  # per step
+    scale = eager.abs().max().item()
+    print(f"{fixture} {name}: max|graph - eager| {diff.max().item():.2e} (logits up to {scale:.1f})")
+    bad = [(i, f"{d:.2e}") for i, d in enumerate(diff.tolist()) if d > 1e-4 * max(scale, 1.0)]
+    assert not bad, f"{fixture} {name}: captured decode differs from eager at (step, max|diff|) {bad}"
+
+
 @pytest.mark.parametrize("flags", [{"cpu_moe": True}, {"n_cpu_moe": 1}], ids=["cpu-moe", "n-cpu-moe-1"])
 def test_vram_guarantee(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem.runtime.loader import WeightLoader

@@ -9,6 +9,11 @@ Two forms compute it: `recurrent_gated_delta_rule` (token by token, for decode) 
 `chunked_gated_delta_rule` (chunks of 64 tokens through the UT transform, for prefill), as in
 transformers' torch reference and llama.cpp; they agree to float32 rounding.
 
+The one-token step of `GatedDeltaNet` can be captured as a CUDA graph: its shapes do not depend on
+the position, it reads no tensor value on the host, and it updates the conv and recurrent state tensors
+in place (`copy_`), so a replay advances the live state. The position count is host bookkeeping, done
+around the step (`KVCache.captured_step` / `KVCache.advance`) when it is captured.
+
 Shapes: T = tokens, C = conv channels (2*Hk*Dk + Hv*Dv), K = conv kernel, Hk / Hv = key / value
 heads, Dk / Dv = key / value head dims, N = chunks, L = chunk length.
 """
@@ -23,12 +28,9 @@ import torch.nn.functional as F
 from tandem.errors import TandemError
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
+from tandem.runtime.kv_cache import StateOrderError
 
 CHUNK_SIZE = 64  # transformers' and llama.cpp's chunk length for the gated delta rule
-
-
-class StateOrderError(TandemError):
-    """A recurrent state was asked to continue at a position other than the one it holds."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class DeltaNetState:
     conv: torch.Tensor  # [K-1, C] float32: the last K-1 conv inputs (zeros before the sequence start)
     ssm: torch.Tensor  # [Hv, Dk, Dv] float32: the recurrent state
     length: int = 0
+    counted_outside: bool = False  # see KVCache.captured_step
 
     @classmethod
     def allocate(cls, shape: DeltaNetShape, device: torch.device | str) -> DeltaNetState:
@@ -87,7 +90,8 @@ class DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.ssm.clone(), self.length)
 
     def restore(self, snapshot: DeltaNetState | None) -> None:
-        """Go back to `snapshot` (None: the empty sequence)."""
+        """Go back to `snapshot` (None: the empty sequence), in place: the tensors stay the ones a
+        captured decode step reads and writes."""
         if snapshot is None:
             self.conv.zero_()
             self.ssm.zero_()
@@ -103,7 +107,9 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     `weight` [C, K]; returns [T, C] (no activation)."""
     t, c = x.shape
     window = torch.cat([state, x.float()])  # [K-1+T, C]
-    state.copy_(window[t:])
+    state.copy_(window[t:])  # shift in place: the tensor stays the one a captured step writes
+    if t == 1:  # decode: one dot product per channel (elementwise, no convolution kernel to pick)
+        return (window * weight.T).sum(0, keepdim=True)
     out = F.conv1d(window.T.unsqueeze(0), weight.unsqueeze(1), groups=c)  # [1, C, T]
     return out[0].T
 
@@ -221,16 +227,25 @@ class GatedDeltaNet:
 
     def _expand_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T, Hk, Dk] -> [T, Hv, Dk]: each value head gets its key head."""
-        r = self.shape.n_v_heads // self.shape.n_k_heads
+        t, hk, d = x.shape
+        r = self.shape.n_v_heads // hk
         if r == 1:
             return x
-        return x.repeat(1, r, 1) if self.shape.head_layout == "tiled" else x.repeat_interleave(r, dim=1)
+        if self.shape.head_layout == "tiled":  # value head j reads key head j % Hk
+            return x.unsqueeze(1).expand(t, r, hk, d).reshape(t, r * hk, d)
+        return x.unsqueeze(2).expand(t, hk, r, d).reshape(t, hk * r, d)  # grouped: j // r
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: DeltaNetState, start: int) -> torch.Tensor:
+        """x [T, D] at positions start..start+T-1, continuing `state`. Inside `KVCache.captured_step`
+        (`state.counted_outside`) the step is one token and leaves the position count to the caller;
+        `positions` is never read: the state alone says where the sequence is."""
         s = self.shape
-        if start != state.length:
-            raise StateOrderError(f"delta-net state holds {state.length} positions, cannot continue at {start}")
         t = x.shape[0]
+        if state.counted_outside:
+            if t != 1:
+                raise StateOrderError(f"a captured delta-net step takes one token, got {t}")
+        elif start != state.length:
+            raise StateOrderError(f"delta-net state holds {state.length} positions, cannot continue at {start}")
         mixed = F.silu(causal_conv1d(self.qkv(x), state.conv, self.conv_weight))  # [T, C]
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = self._expand_heads(l2_normalize(q.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))  # [T, Hv, Dk]
@@ -244,7 +259,8 @@ class GatedDeltaNet:
             o = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
         else:
             o = chunked_gated_delta_rule(q, k, v, g, beta, state.ssm, self.chunk_size)
-        state.length += t
+        if not state.counted_outside:
+            state.length += t
         z = self.gate(x).view(t, s.n_v_heads, s.head_v_dim)
         o = rms_norm(o, self.norm, self.eps) * F.silu(z.float())  # [T, Hv, Dv]
         return self.out(o.reshape(t, s.value_dim).to(x.dtype))

@@ -159,13 +159,19 @@ def _routed(cfg: ModelConfig, i: int, loader: WeightLoader) -> RoutedFFN:
     assert cfg.moe is not None
     glu = gated(activation(cfg.activation))
     fused = loader.has(p + "ffn_gate_up_exps.weight")
-    experts = GLUExperts(
-        down=loader.experts(p + "ffn_down_exps.weight"),
-        glu=glu,
-        gate_up=loader.experts(p + "ffn_gate_up_exps.weight") if fused else None,
-        gate=None if fused else loader.experts(p + "ffn_gate_exps.weight"),
-        up=None if fused else loader.experts(p + "ffn_up_exps.weight"),
-        down_scale=loader.vector(p + "ffn_down_exps.scale") if loader.has(p + "ffn_down_exps.scale") else None,
+    scaled = loader.has(p + "ffn_down_exps.scale")
+    # Through routed_experts: with the experts in host RAM their scale is there too, and the whole
+    # GLUExperts runs on the host (OffloadedExperts), never indexing a host vector by GPU ids.
+    experts = loader.routed_experts(
+        i,
+        lambda src: GLUExperts(
+            down=src.experts(p + "ffn_down_exps.weight"),
+            glu=glu,
+            gate_up=src.experts(p + "ffn_gate_up_exps.weight") if fused else None,
+            gate=None if fused else src.experts(p + "ffn_gate_exps.weight"),
+            up=None if fused else src.experts(p + "ffn_up_exps.weight"),
+            down_scale=src.vector(p + "ffn_down_exps.scale") if scaled else None,
+        ),
     )
     router = NormedSoftmaxTopKRouter(
         proj=loader.linear(p + "ffn_gate_inp.weight"),

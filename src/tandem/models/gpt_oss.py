@@ -85,14 +85,21 @@ def build_block(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader,
         rope=ropes.get_rope(spec.rope),
         sinks=loader.vector(p + "attn_sinks.weight"),
     )
-    experts = GLUExperts(
-        gate=loader.experts(p + "ffn_gate_exps.weight"),
-        up=loader.experts(p + "ffn_up_exps.weight"),
-        down=loader.experts(p + "ffn_down_exps.weight"),
-        glu=swiglu_oai,
-        gate_bias=_optional(loader, p + "ffn_gate_exps.bias"),
-        up_bias=_optional(loader, p + "ffn_up_exps.bias"),
-        down_bias=_optional(loader, p + "ffn_down_exps.bias"),
+    biases = {n: p + n + ".bias" for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    present = {n: name for n, name in biases.items() if loader.has(name)}
+    # Through routed_experts: with the experts in host RAM their biases are there too, and the whole
+    # GLUExperts runs on the host (OffloadedExperts), never indexing a host vector by GPU ids.
+    experts = loader.routed_experts(
+        i,
+        lambda src: GLUExperts(
+            gate=src.experts(p + "ffn_gate_exps.weight"),
+            up=src.experts(p + "ffn_up_exps.weight"),
+            down=src.experts(p + "ffn_down_exps.weight"),
+            glu=swiglu_oai,
+            gate_bias=src.vector(present["ffn_gate_exps"]) if "ffn_gate_exps" in present else None,
+            up_bias=src.vector(present["ffn_up_exps"]) if "ffn_up_exps" in present else None,
+            down_bias=src.vector(present["ffn_down_exps"]) if "ffn_down_exps" in present else None,
+        ),
     )
     router = TopKSoftmaxRouter(
         proj=loader.linear(p + "ffn_gate_inp.weight"),

@@ -7,7 +7,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tandem.layers.attention import Attention
+from tandem.layers.delta_net import GatedDeltaNet
+from tandem.layers.gated_attention import GatedAttention
 from tandem.models.decoder import DecoderModel
+
+# Mixers whose one-token step on a GPU keeps fixed shapes, reads positions from the device and updates its
+# state in place, so it can be captured as a CUDA graph: attention stores K/V by a device index
+# (kv_cache.LayerKV.store); the delta-net updates its conv and recurrent state with copy_ and leaves its
+# position count to KVCache.captured_step / advance.
+CAPTURABLE_MIXERS = (Attention, GatedAttention, GatedDeltaNet)
 
 
 class Engine:
@@ -23,12 +31,11 @@ class Engine:
         self._warm = False
 
     def _graph_if_possible(self) -> Callable[[int], torch.Tensor] | None:
-        """A captured decode step on a GPU when every layer keeps fixed shapes per step (attention layers;
-        recurrent layers step eagerly)."""
+        """A captured decode step on a GPU when every layer's mixer is one of CAPTURABLE_MIXERS."""
         model = self.model
         if model.device.type != "cuda":
             return None
-        if not all(type(b.mixer) is Attention for b in model.blocks):
+        if not all(type(b.mixer) in CAPTURABLE_MIXERS for b in model.blocks):
             return None
         from tandem.cuda.graphs import DecodeGraph
 
@@ -64,9 +71,9 @@ class Engine:
         if len(ids) == 1 and self._decode_graph is not None:
             if self._warm:  # the first step runs eagerly: it compiles the kernels the capture will record
                 self.cache.check_room(1)
-                logits = self._decode_graph(ids[0])
-                self.cache.length += 1
-                self.cache.tokens.append(ids[0])
+                with self.cache.captured_step():  # no Python-side counting in what is captured ...
+                    logits = self._decode_graph(ids[0])
+                self.cache.advance(ids)  # ... it is done here, after every replay
                 return logits
             self._warm = True
         logits = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -14,6 +16,10 @@ CACHE_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float
 
 class ContextFullError(TandemError):
     """The sequence would grow past the context size (`-c/--ctx-size`)."""
+
+
+class StateOrderError(TandemError):
+    """A recurrent state was asked to continue at a position other than the one it holds."""
 
 
 @dataclass
@@ -66,6 +72,9 @@ class RecurrentState(Protocol):
     forget positions one by one, only go back to a snapshot taken earlier."""
 
     length: int  # positions folded in
+    # True inside `KVCache.captured_step`: the layer neither checks nor counts positions (a replayed CUDA
+    # graph runs no Python); `KVCache.advance` counts them after the step.
+    counted_outside: bool
 
     def nbytes(self) -> int: ...
 
@@ -97,9 +106,40 @@ class KVCache:
     def has_recurrent(self) -> bool:
         return any(isinstance(layer, RecurrentState) for layer in self.layers)
 
+    def _recurrent(self) -> list[RecurrentState]:
+        return [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+
+    @contextmanager
+    def captured_step(self) -> Iterator[None]:
+        """Around a one-token step that may be captured as a CUDA graph and replayed: what runs inside
+        must not keep Python-side counts, since a replay runs none of it. The recurrent layers then skip
+        their position check and count (checked here, before); the caller runs `advance` after the step.
+
+        The graph reads and writes the state tensors allocated with the cache, in place: snapshots are
+        copies and `truncate` copies them back, so the captured step always works on the live state."""
+        recurrent = self._recurrent()
+        for layer in recurrent:
+            if layer.length != self.length:
+                raise StateOrderError(f"recurrent state holds {layer.length} positions, the cache {self.length}")
+        for layer in recurrent:
+            layer.counted_outside = True
+        try:
+            yield
+        finally:
+            for layer in recurrent:
+                layer.counted_outside = False
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Count `tokens` as computed after the current ones, by a step that did not count them
+        (`captured_step`)."""
+        for layer in self._recurrent():
+            layer.length += len(tokens)
+        self.length += len(tokens)
+        self.tokens.extend(tokens)
+
     def checkpoint(self) -> None:
         """Snapshot the recurrent layers at the current length, so that `truncate` can come back here."""
-        recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        recurrent = self._recurrent()
         if not recurrent or any(pos == self.length for pos, _ in self.checkpoints):
             return
         self.checkpoints.append((self.length, [layer.snapshot() for layer in recurrent]))
@@ -118,7 +158,7 @@ class KVCache:
         Recurrent layers cannot drop positions: the sequence goes back to the latest checkpoint at or
         below `length`, else to empty. Read `self.length` for what was kept."""
         length = min(self.length, length)
-        recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        recurrent = self._recurrent()
         if recurrent and length < self.length:
             self.checkpoints = [c for c in self.checkpoints if c[0] <= length]
             at, snapshots = self.checkpoints[-1] if self.checkpoints else (0, [None] * len(recurrent))
