@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# One device call: set up, run the GPU test suite, time the kernels, and bench tandem on a synthetic
-# Qwen3-30B-A3B (Q4_K_M mix) in three placements. Prints a short table last. Logs go to $OUT.
+# One device call for tandem alone: set up, run the GPU test suite, time the kernels, and profile prefill and
+# decode on a synthetic Qwen3-30B-A3B (Q4_K_M mix) per placement (bench/profile_step.py). Logs go to $OUT;
+# a short summary is printed last. For the side-by-side with llama.cpp, see bench/device_compare.sh.
+#   PLACEMENTS=cpu-moe,n-cpu-moe-24,all  TESTS="tests/test_gpu.py tests/test_gpu_offload.py" (none: skip)
+#   THREADS=16  PROBE=1 (also bench/probe_host_memory.py: the host-to-GPU copy paths)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 eval "$(bash bench/device_setup.sh)"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "passed|failed|error|relative" | tail -25
-python3 bench/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt"
-MODEL=/tmp/qwen3-30b-a3b.gguf
-/usr/bin/time -f "synth %e s" python3 -m tandem.cli.main synth --like qwen3-30b-a3b -o "$MODEL" 2>&1 | tail -2
-ls -la "$MODEL"
-python3 bench/profile_decode.py "$MODEL" --cpu-moe 2>&1 | tee "$OUT/profile_cpu_moe.txt" | grep -E "ms/token"
-python3 bench/profile_decode.py "$MODEL" 2>&1 | tee "$OUT/profile_gpu.txt" | grep -E "ms/token"
-for flags in "--cpu-moe" "--n-cpu-moe 24" ""; do
-    echo "== tandem bench $flags"
-    python3 -m tandem.cli.main bench -m "$MODEL" --device cuda $flags --pp 512 --tg 128 --reps 2 -c 1024 \
-        -t 16 --json > "$OUT/bench_${flags// /_}.json" 2> "$OUT/bench_${flags// /_}.err"
-    tail -3 "$OUT/bench_${flags// /_}.err"
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['pp_tok_s'], r['tg_tok_s'])" "$OUT/bench_${flags// /_}.json"
-done
+MODEL=/dev/shm/qwen3-30b-a3b.gguf
+python3 -m tandem.cli.main synth --like qwen3-30b-a3b -o "$MODEL" --overwrite >"$OUT/synth.log" 2>&1 &
+synth=$!
+if [[ "${TESTS:-}" != none ]]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" ${TESTS:-tests/test_gpu_offload.py tests/test_gpu.py} \
+      >"$OUT/pytest_gpu.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -40
+fi
+wait "$synth" || { echo "synth failed"; tail "$OUT/synth.log"; }
+python3 bench/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -12  # alone: a busy CPU delays launches
+[[ "${PROBE:-0}" == 1 ]] && python3 bench/probe_host_memory.py "$MODEL" 2>&1 | tee "$OUT/probe.txt"
+python3 bench/profile_step.py "$MODEL" -t "${THREADS:-16}" --placements "${PLACEMENTS:-cpu-moe,all}" \
+    >"$OUT/profile.txt" 2>&1
+grep -E "^==|^   |Error" "$OUT/profile.txt" | head -40
+echo "== summary"
+[[ -f "$OUT/pytest_gpu.log" ]] && grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1
+sed -n '/^== summary/,$p' "$OUT/profile.txt" | tail -n +2

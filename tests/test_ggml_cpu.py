@@ -313,3 +313,17 @@ def test_fused_gated_experts_match_three_products(act: str) -> None:
             # ggml quantizes the hidden state to Q8_K for the down product either way; the GLU differs
             # only in rounding (ggml's GELU table), so the sums agree to a few 1e-3 of their scale.
             assert (fused - ref).abs().max() <= 5e-3 * ref.abs().max(), (act, t)
+            # The prepared form on fixed buffers (decode's host op) computes exactly the same sums, call
+            # after call, from whatever the buffers hold.
+            out = torch.empty(t, d)
+            xb, ib, wb = torch.empty(t, k), torch.empty(t, 3, dtype=torch.int32), torch.empty(t, 3)
+            run = experts.bind(xb, Routing(ids=ib, weights=wb), out)
+            assert run is not None
+            for _ in range(2):
+                xb.copy_(x)
+                ib.copy_(ids)
+                wb.copy_(mix)
+                run()
+                assert torch.equal(out, fused), (act, t)
+                x, ids = torch.randn(t, k), torch.stack([torch.randperm(e)[:3] for _ in range(t)])
+                fused = experts(x, Routing(ids=ids, weights=mix))

@@ -9,7 +9,6 @@ the captured path exactly as in the eager one (the host ops are the same objects
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -19,27 +18,18 @@ from tandem.runtime.kv_cache import KVCache
 
 
 class HostBoundary(Protocol):
-    """A part of the step that runs on the host; it switches to `segments.boundary` while captured."""
+    """A host op of the step (runtime/offload.py HostCall): while `segments` is set, it calls
+    `segments.split` where its host part must run instead of running it."""
 
     segments: SegmentedGraph | None
 
-    def host_run(self, inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None: ...
-
-
-@dataclass
-class _HostOp:
-    op: HostBoundary
-    inputs: tuple[torch.Tensor, ...]
-    out: torch.Tensor
-
 
 class SegmentedGraph:
-    """Graphs of one captured step and the host ops between them."""
+    """Graphs of one captured step and the host steps between them, replayed in order."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.host_ops: list[_HostOp] = []
+        self.steps: list[Callable[[], object]] = []
         self._current: torch.cuda.CUDAGraph | None = None
 
     def _begin(self) -> None:
@@ -49,7 +39,7 @@ class SegmentedGraph:
     def _end(self) -> None:
         assert self._current is not None
         self._current.capture_end()
-        self.graphs.append(self._current)
+        self.steps.append(self._current.replay)
         self._current = None
 
     def capture(self, fn: Callable[[], torch.Tensor], boundaries: Sequence[HostBoundary]) -> torch.Tensor:
@@ -63,29 +53,31 @@ class SegmentedGraph:
                 self._begin()
                 out = fn()
                 self._end()
+        except BaseException:
+            if self._current is not None:  # leave no stream capturing behind an error
+                try:
+                    self._current.capture_end()
+                except Exception:
+                    pass
+                self._current = None
+            raise
         finally:
             for b in boundaries:
                 b.segments = None
         torch.cuda.current_stream().wait_stream(stream)
         return out
 
-    def boundary(
-        self, op: HostBoundary, inputs: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Called by a host op during capture: close the graph so far, note the op, open the next graph."""
+    def split(self, host_step: Callable[[], object]) -> None:
+        """Called by a host op during capture: end the graph so far; replay runs `host_step` after it,
+        then the graph captured next."""
         self._end()
-        out = torch.empty(tuple(shape), dtype=dtype, device=inputs[0].device)  # static: host op writes, next reads
-        self.host_ops.append(_HostOp(op=op, inputs=tuple(inputs), out=out))
+        self.steps.append(host_step)
         self._begin()
-        return out
 
     @torch.inference_mode()
     def replay(self) -> None:
-        for i, graph in enumerate(self.graphs):
-            graph.replay()
-            if i < len(self.host_ops):
-                h = self.host_ops[i]
-                h.op.host_run(h.inputs, h.out)
+        for step in self.steps:
+            step()
 
 
 class DecodeGraph:

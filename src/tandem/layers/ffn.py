@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.moe import RoutedExperts, Router
+from tandem.layers.moe import Pending, RoutedExperts, Router, start_experts
 from tandem.layers.norm import rms_norm
 
 FFN = Callable[[torch.Tensor], torch.Tensor]  # [T, D] -> [T, D]
@@ -49,17 +49,23 @@ class RoutedFFN:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.start(x)()
+
+    def start(self, x: torch.Tensor) -> Pending:
+        """The branch, its result asked for later (the experts may compute on the host meanwhile)."""
         routing = self.router(x)  # on the un-normalised input
-        out = self.experts(_maybe_norm(x, self.expert_norm, self.eps), routing)  # [T, D]
-        return _maybe_norm(out, self.post_norm, self.eps)
+        pending = start_experts(self.experts, _maybe_norm(x, self.expert_norm, self.eps), routing)
+        return lambda: _maybe_norm(pending(), self.post_norm, self.eps)
 
 
 @dataclass
 class ParallelFFN:
-    """dense(x) + sparse(x): two independent branches on the same input."""
+    """dense(x) + sparse(x): two independent branches on the same input; the dense one runs on the GPU
+    while experts in host RAM compute the sparse one."""
 
     dense: FFN
-    sparse: FFN
+    sparse: RoutedFFN
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(x) + self.sparse(x)
+        sparse = self.sparse.start(x)
+        return self.dense(x) + sparse()

@@ -15,6 +15,9 @@ from tandem.layers.activations import ACTIVATIONS, GLU
 from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
 
+# The result of routed experts that may still be computing on the host (see runtime/offload.py).
+Pending = Callable[[], torch.Tensor]
+
 # ggml's fused gated units for the activations it computes the same way (ggml_gelu is the tanh form).
 _GGML_GLU = {ACTIVATIONS["silu"]: "swiglu", ACTIVATIONS["gelu_tanh"]: "geglu"}
 
@@ -51,20 +54,31 @@ class GatedExperts:
     down: Experts
     act: Callable[[torch.Tensor], torch.Tensor]
 
-    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def _fused(self) -> str | None:
+        """ggml's name of the gated unit when all three stacks are ggml CPU experts (one fused graph)."""
         glu = _GGML_GLU.get(self.act)
         if glu is not None and all(isinstance(p, GGMLExperts) for p in (self.gate, self.up, self.down)):
-            # All on the CPU: one fused ggml graph for the three products and the mixing.
-            kernels = self.gate.kernels  # type: ignore[union-attr]
-            return kernels.gated_experts(
-                x,
-                self.gate.weight,
-                self.up.weight,
-                self.down.weight,
-                routing.ids,
-                routing.weights,
-                glu,  # type: ignore[union-attr]
-            )
+            return glu
+        return None
+
+    def bind(self, x: torch.Tensor, routing: Routing, out: torch.Tensor) -> Callable[[], None] | None:
+        """A prepared call computing out [T, D] from the fixed buffers x and routing (see
+        CPUKernels.gated_experts_into), or None when the experts are not all ggml CPU experts."""
+        glu = self._fused()
+        if glu is None:
+            return None
+        gate, up, down = self.gate, self.up, self.down
+        assert isinstance(gate, GGMLExperts) and isinstance(up, GGMLExperts) and isinstance(down, GGMLExperts)
+        return gate.kernels.gated_experts_into(
+            out, x, gate.weight, up.weight, down.weight, routing.ids, routing.weights, glu
+        )
+
+    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        glu = self._fused()
+        if glu is not None:  # all on the CPU: one fused ggml graph for the three products and the mixing
+            gate, up, down = self.gate, self.up, self.down
+            assert isinstance(gate, GGMLExperts) and isinstance(up, GGMLExperts) and isinstance(down, GGMLExperts)
+            return gate.kernels.gated_experts(x, gate.weight, up.weight, down.weight, routing.ids, routing.weights, glu)
         hidden = self.act(self.gate(x, routing.ids)) * self.up(x, routing.ids)  # [T, A, F]
         out = self.down(hidden, routing.ids)  # [T, A, D]
         return (out * routing.weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)  # [T, D]
@@ -82,6 +96,17 @@ class RoutedExperts(Protocol):
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor: ...
 
 
+def start_experts(experts: RoutedExperts, x: torch.Tensor, routing: Routing) -> Pending:
+    """Begin the routed experts; the returned function gives their output [T, D]. Experts kept in host RAM
+    compute on the CPU until it is called, so GPU work queued in between (a shared expert, a dense branch)
+    runs at the same time; other experts compute right away."""
+    start = getattr(experts, "start", None)
+    if start is not None:
+        return start(x, routing)
+    out = experts(x, routing)
+    return lambda: out
+
+
 @dataclass
 class MoE:
     router: Router
@@ -89,6 +114,10 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.router(x))
+
+    def start(self, x: torch.Tensor) -> Pending:
+        """As __call__, but the result is asked for later (see start_experts)."""
+        return start_experts(self.experts, x, self.router(x))
 
 
 @dataclass

@@ -32,10 +32,12 @@ class SharedExpert:
 
 @dataclass
 class MoEWithSharedExpert:
-    """routed(x) + shared(x)."""
+    """routed(x) + shared(x); the shared expert runs on the GPU while experts in host RAM compute."""
 
     routed: MoE
     shared: SharedExpert
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.routed(x) + self.shared(x)
+        routed = self.routed.start(x)
+        shared = self.shared(x)
+        return routed() + shared

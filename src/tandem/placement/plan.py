@@ -5,13 +5,14 @@ loader and execution path. `tandem inspect` prints it without touching a GPU or 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.errors import PlacementError
-from tandem.gguf import GGUFFile
+from tandem.gguf import GGUFFile, TensorInfo
 from tandem.models.config import ModelConfig
 from tandem.placement.request import PlacementRequest
-from tandem.quant.types import CUBLAS_WORKSPACE_BYTES, GPU_DEQUANT_CHUNK_BYTES
+from tandem.quant.types import CUBLAS_WORKSPACE_BYTES, GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES, STAGING_SLOT_BYTES
 
 # The routed-expert tensors, as llama.cpp's --cpu-moe names them.
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(?:up|down|gate_up|gate)_(?:ch|)exps")
@@ -41,7 +42,7 @@ class PlacementPlan:
     weight_bytes: dict[str, int]  # per device
     kv_bytes: int  # on the compute device (0 on a CPU-only plan's GPU side)
     workspace_bytes: int  # activations on the compute device
-    staging_bytes: int  # bounded GPU window for streaming CPU experts during prefill
+    staging_bytes: int  # bounded GPU window for streaming CPU experts during prefill (see StagingSize)
     cpu_expert_layers: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())
 
@@ -170,14 +171,62 @@ def plan_placement(
     )
 
 
-def _staging_bytes(f: GGUFFile, devices: dict[str, str]) -> int:
-    """The largest one layer's CPU-resident experts: the prefill window streams one layer at a time."""
-    per_layer: dict[int, int] = {}
+STAGING_ALIGN = 256  # bytes: every staged view is aligned for any element type
+
+
+def staging_aligned(n_bytes: int) -> int:
+    """n_bytes rounded up to STAGING_ALIGN: where the next staged tensor may start."""
+    return -(-n_bytes // STAGING_ALIGN) * STAGING_ALIGN
+
+
+@dataclass(frozen=True)
+class StagingSize:
+    """The prefill window for CPU-resident experts: two slots that chunks of whole experts stream through,
+    and room for one layer's expert vectors (biases, scales)."""
+
+    slot_bytes: int
+    vector_bytes: int
+
+    @property
+    def total(self) -> int:
+        return 2 * self.slot_bytes + self.vector_bytes
+
+
+def streamable(infos: Sequence[TensorInfo]) -> bool:
+    """Whether a layer's expert tensors can be computed on the GPU from streamed blocks: matrices of a type
+    the GPU kernels read, vectors in F32."""
+    return all(
+        i.qtype in GPU_NATIVE_TYPES if len(i.shape) == 3 else i.qtype.name == "F32" and len(i.shape) <= 2 for i in infos
+    )
+
+
+def staging_size(cpu_experts_by_layer: dict[int, list[TensorInfo]]) -> StagingSize:
+    """The window that streams these layers' CPU-resident experts (layers that cannot stream count nothing)."""
+    slot = vectors = 0
+    for infos in cpu_experts_by_layer.values():
+        if not streamable(infos):
+            continue
+        for info in infos:
+            if len(info.shape) == 3:
+                expert_bytes = info.n_bytes // info.shape[0]
+                per_slot = max(1, STAGING_SLOT_BYTES // expert_bytes)
+                slot = max(slot, staging_aligned(min(info.shape[0], per_slot) * expert_bytes))
+        vectors = max(vectors, sum(staging_aligned(i.n_bytes) for i in infos if len(i.shape) < 3))
+    return StagingSize(slot_bytes=slot, vector_bytes=vectors)
+
+
+def cpu_experts_by_layer(f: GGUFFile, devices: dict[str, str]) -> dict[int, list[TensorInfo]]:
+    """The expert tensors the plan keeps on the CPU, by layer."""
+    layers: dict[int, list[TensorInfo]] = {}
     for name, device in devices.items():
         layer = expert_layer(name)
         if layer is not None and device == "cpu":
-            per_layer[layer] = per_layer.get(layer, 0) + f.tensors[name].n_bytes
-    return max(per_layer.values(), default=0)
+            layers.setdefault(layer, []).append(f.tensors[name])
+    return layers
+
+
+def _staging_bytes(f: GGUFFile, devices: dict[str, str]) -> int:
+    return staging_size(cpu_experts_by_layer(f, devices)).total
 
 
 def _fit_budget(

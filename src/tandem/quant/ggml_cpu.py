@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ggml
@@ -69,9 +70,7 @@ class GGMLWeight:
         object.__setattr__(self, "qtype", qtype)
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if len(self.shape) not in (2, 3) or min(self.shape) <= 0:
-            raise ValueError(
-                f"GGMLWeight shape must be (N, K) or (E, N, K) with positive sizes, got {self.shape}"
-            )
+            raise ValueError(f"GGMLWeight shape must be (N, K) or (E, N, K) with positive sizes, got {self.shape}")
         if self.data.dtype != np.uint8 or not self.data.flags.c_contiguous:
             raise ValueError("GGMLWeight data must be a C-contiguous uint8 array (the raw GGUF bytes)")
         block, type_size = GGML_QUANT_SIZES[qtype]
@@ -163,9 +162,7 @@ class CPUKernels:
         Returns [T, N] float32: a fresh tensor, or `out` (contiguous float32 [T, N]) filled in place.
         """
         if len(w.shape) != 2:
-            raise ValueError(
-                f"matmul needs an (N, K) weight, got shape {w.shape}; use mul_mat_id for experts"
-            )
+            raise ValueError(f"matmul needs an (N, K) weight, got shape {w.shape}; use mul_mat_id for experts")
         n, k = w.shape
         x = _as_f32(x)
         if x.dim() != 2 or x.shape[1] != k:
@@ -254,26 +251,53 @@ class CPUKernels:
         x: [T, K]; gate/up: (E, F, K); down: (E, D, F); ids, weights: [T, A]; glu: "swiglu" or "geglu".
         Returns [T, D] float32.
         """
+        ids = ids.to(device="cpu", dtype=torch.int32).contiguous()
+        _check_ids(ids, gate.shape[0])
+        y = torch.empty(ids.shape[0], down.shape[1], dtype=torch.float32)
+        self.gated_experts_into(y, _as_f32(x), gate, up, down, ids, _as_f32(weights), glu)()
+        return y
+
+    def gated_experts_into(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        gate: GGMLWeight,
+        up: GGMLWeight,
+        down: GGMLWeight,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        glu: str,
+    ) -> Callable[[], None]:
+        """`gated_experts` prepared on fixed buffers: the returned function computes out [T, D] from what x,
+        ids and weights hold when it is called, with no per-call checks or allocations (decode calls it once
+        per layer per token). All five are contiguous CPU tensors (float32; ids int32 in [0, E): the caller
+        vouches for them, e.g. a router's top-k) that must outlive the function.
+        """
         e, f, k = gate.shape
         d = down.shape[1]
-        x = _as_f32(x)
         t, a = ids.shape
-        ids = ids.to(device="cpu", dtype=torch.int32).contiguous()
-        weights = _as_f32(weights)
-        _check_ids(ids, e)
-        y = torch.empty(t, d, dtype=torch.float32)
+        expected = {"out": (out, torch.float32, (t, d)), "x": (x, torch.float32, (t, k)),
+                    "ids": (ids, torch.int32, (t, a)), "weights": (weights, torch.float32, (t, a))}  # fmt: skip
+        for name, (tensor, dtype, shape) in expected.items():
+            if tensor.dtype is not dtype or not tensor.is_cpu or not tensor.is_contiguous() or tensor.shape != shape:
+                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}")
         key = (2, int(gate.qtype), int(up.qtype), int(down.qtype), e, f, k, d, t, a, _GLU[glu])
         with self._lock:
             g = self._ffn_graphs.get(key)
             if g is None:
                 g = self._build_ffn(key, gate, up, down, x, ids, weights, glu)
-            for tensor, ptr in zip(g.inputs, (gate.ptr, up.ptr, down.ptr, x.data_ptr(), ids.data_ptr(),
-                                              weights.data_ptr(), y.data_ptr()), strict=True):  # fmt: skip
-                tensor.data = ptr
-            status = _graph_compute(self._backend, g.graph)
-        if status != 0:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
-        return y
+        pointers = list(zip(g.inputs, (gate.ptr, up.ptr, down.ptr, x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                                       out.data_ptr()), strict=True))  # fmt: skip
+
+        def run() -> None:
+            with self._lock:  # the cached graph may serve several layers: point it at this one's buffers
+                for tensor, ptr in pointers:
+                    tensor.data = ptr
+                status = _graph_compute(self._backend, g.graph)
+            if status != 0:
+                raise RuntimeError(f"ggml graph compute failed with status {status}")
+
+        return run
 
     def _build_ffn(self, key, gate, up, down, x, ids, weights, glu) -> _FFNGraph:  # type: ignore[no-untyped-def]
         """Build the fused expert graph; intermediates get memory from a graph allocator."""
@@ -374,9 +398,7 @@ class CPUKernels:
             raise RuntimeError("CPUKernels is closed")
         if not mul_mat_supported(qtype):
             raise UnsupportedModelError(f"this ggml build has no CPU matrix product for {qtype.name}")
-        mem = ggml.ggml_tensor_overhead() * _GRAPH_NODES + ggml.ggml_graph_overhead_custom(
-            _GRAPH_NODES, False
-        )
+        mem = ggml.ggml_tensor_overhead() * _GRAPH_NODES + ggml.ggml_graph_overhead_custom(_GRAPH_NODES, False)
         # no_alloc: tensors get no memory of their own; their data pointers are set per call.
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not ctx:
@@ -391,9 +413,7 @@ class CPUKernels:
                 ids_t = _new_tensor(ctx, ggml.GGML_TYPE_I32, ids_ne)
                 out_t = ggml.ggml_mul_mat_id(ctx, w_t, x_t, ids_t)
             if not ggml.ggml_backend_supports_op(self._backend, out_t):
-                raise UnsupportedModelError(
-                    f"the ggml CPU backend does not support this product for {qtype.name}"
-                )
+                raise UnsupportedModelError(f"the ggml CPU backend does not support this product for {qtype.name}")
             # The output must be contiguous f32 so that it can alias a torch tensor.
             if out_t.contents.type != ggml.GGML_TYPE_F32 or not ggml.ggml_is_contiguous(out_t):
                 raise RuntimeError("unexpected ggml output layout")

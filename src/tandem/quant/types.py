@@ -37,6 +37,8 @@ GPU_FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
 
 # Transient GPU memory of a prefill product: blocks are dequantized to floats at most this much at a time.
 GPU_DEQUANT_CHUNK_BYTES = 64 << 20
+# Prefill streams CPU-resident experts to the GPU through two slots of at most this many bytes each.
+STAGING_SLOT_BYTES = 32 << 20
 # cuBLAS's workspace, which torch takes from its allocator on Hopper (CUBLAS_WORKSPACE_CONFIG default).
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 

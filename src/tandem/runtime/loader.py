@@ -18,18 +18,14 @@ from tandem.errors import PlacementError, UnsupportedModelError
 from tandem.gguf import GGUFFile, TensorInfo
 from tandem.layers.linear import Experts, GGMLExperts, GGMLLinear, Linear
 from tandem.layers.moe import RoutedExperts
-from tandem.placement import PlacementPlan, expert_layer
+from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
+from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
-from tandem.runtime.offload import (
-    ExpertSource,
-    HostExperts,
-    HostLinear,
-    OffloadedExperts,
-    StagingWindow,
-)
+from tandem.runtime.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
 
+PAGE_PROBE = 4096  # bytes copied once to check that page-locked file memory can be copied from
 OFFLOAD_MIN_BATCH = 32  # as llama.cpp: from this many tokens, CPU experts are streamed to the GPU
 
 
@@ -74,10 +70,11 @@ class WeightLoader:
         self.on_tensor = on_tensor
         self._placed: dict[str, torch.device] = {}
         self._dequantized: dict[str, int] = {}
-        self._staging: StagingWindow | None = None
-        self.host_boundaries: list[HostLinear | HostExperts | OffloadedExperts] = []  # host ops of a GPU step
+        self._notices: list[str] = []
+        self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
+        self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
-            self._staging = StagingWindow(plan.staging_bytes, self.compute_device)
+            self._start_streaming()
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -102,11 +99,42 @@ class WeightLoader:
         return {name: str(device) for name, device in self._placed.items()}
 
     def notices(self) -> list[str]:
-        """One line per quant type that has no GPU kernel and was dequantized at load."""
+        """One line per quant type that has no GPU kernel and was dequantized at load, and one per fallback."""
         return [
             f"{qtype}: no GPU kernel yet; {n} tensor(s) dequantized to {str(self.dtype).removeprefix('torch.')} at load"
             for qtype, n in sorted(self._dequantized.items())
-        ]
+        ] + self._notices
+
+    def _start_streaming(self) -> None:
+        """The prefill window for CPU-resident experts, and their file bytes page-locked in place (no copy,
+        no VRAM) so that streaming them runs at PCIe speed."""
+        from tandem.cuda.host_memory import register_host
+
+        layers = cpu_experts_by_layer(self.file, self.plan.devices)
+        size = staging_size(layers)
+        if size.total == 0:
+            return
+        # The whole mapping, not just the experts' span: a copy from a range that is partly page-locked
+        # (a small tensor sharing a page with the span's edge) fails with an invalid-argument error.
+        first = next(i for infos in layers.values() for i in infos)
+        start = _address(first) - first.offset  # the file's first byte
+        end = start + self.file.file_size
+        owner = first.data  # a view of the file mapping: keeps it mapped while registered
+        pinned = register_host(start, end - start, read_only=True, owner=owner, device=self.compute_device)
+        if not isinstance(pinned, str):
+            try:  # some platforms accept the registration and then refuse copies from it
+                _as_torch_bytes(first.data[:PAGE_PROBE]).to(self.compute_device)
+            except RuntimeError as e:
+                pinned.close()
+                pinned = f"copies from it fail: {str(e).splitlines()[0]}"
+        if isinstance(pinned, str):
+            self._notices.append(
+                f"prefill copies CPU experts through page-locked bounce buffers: the file ({(end - start) >> 20} MiB) "
+                f"could not be page-locked in place ({pinned})"
+            )
+        self._stream = ExpertStream(
+            size.slot_bytes, size.vector_bytes, self.compute_device, None if isinstance(pinned, str) else pinned
+        )
 
     def _upload(self, info: TensorInfo, device: torch.device) -> torch.Tensor:
         data = _as_torch_bytes(info.data).to(device)
@@ -175,7 +203,7 @@ class WeightLoader:
         return QuantEmbedding(data=data, info=info, out_device=self.compute_device, out_dtype=self.dtype)
 
     def _boundary(self, op: HostLinear | HostExperts) -> HostLinear | HostExperts:
-        self.host_boundaries.append(op)
+        self.host_boundaries.append(op.host)
         return op
 
     # -- routed experts -------------------------------------------------------------------------------
@@ -195,19 +223,36 @@ class WeightLoader:
         if self.compute_device.type == "cpu" or devices != {"cpu"}:
             return build(self)
         on_cpu = build(_HostSource(self))
-        staged, stage = None, None
-        stageable = all(i.qtype in GPU_NATIVE_TYPES or (i.qtype.name == "F32" and len(i.shape) <= 2) for i in infos)
-        if self._staging is not None and stageable:
-            window = self._staging
-            offsets = window.layout(infos)
-            staged = build(_StagedSource(self, window, offsets))
+        streamed, stage_vectors = None, None
+        stream = self._stream
+        if stream is not None and streamable(infos):
+            vectors = [i for i in infos if len(i.shape) < 3]
+            offsets = dict(zip((i.name for i in vectors), _offsets(vectors), strict=True))
+            streamed = build(_StreamedSource(self, stream, offsets))
 
-            def stage() -> None:
-                window.fill(infos, offsets)
+            def stage_vectors() -> None:
+                for info in vectors:
+                    view = stream.vectors(offsets[info.name] + info.n_bytes)[offsets[info.name] :]
+                    view.copy_(_as_torch_bytes(info.data), non_blocking=True)
 
-        offloaded = OffloadedExperts(on_cpu=on_cpu, staged=staged, stage=stage, min_batch=OFFLOAD_MIN_BATCH)
-        self.host_boundaries.append(offloaded)
+        offloaded = OffloadedExperts(
+            on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH
+        )
+        self.host_boundaries.append(offloaded.host)
         return offloaded
+
+
+def _address(info: TensorInfo) -> int:
+    return int(info.data.__array_interface__["data"][0])
+
+
+def _offsets(infos: list[TensorInfo]) -> list[int]:
+    """Byte offsets of tensors laid out one after another, each aligned."""
+    offsets, at = [], 0
+    for info in infos:
+        offsets.append(at)
+        at += staging_aligned(info.n_bytes)
+    return offsets
 
 
 class _HostSource:
@@ -227,25 +272,24 @@ class _HostSource:
         return dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)
 
 
-class _StagedSource:
-    """Views into the staging window: valid once the layer's blocks were copied in (each prefill step)."""
+class _StreamedSource:
+    """Experts whose blocks stay in host RAM and stream to the GPU when a prefill batch uses them; vectors
+    are views of the window's vector region, valid once `stage_vectors` copied them (each prefill step)."""
 
-    def __init__(self, loader: WeightLoader, window: StagingWindow, offsets: dict[str, int]) -> None:
+    def __init__(self, loader: WeightLoader, stream: ExpertStream, offsets: dict[str, int]) -> None:
         self.loader = loader
-        self.window = window
+        self.stream = stream
         self.offsets = offsets
-
-    def _view(self, name: str) -> tuple[TensorInfo, torch.Tensor]:
-        info = self.loader.info(name)
-        return info, self.window.view(self.offsets[name], info.n_bytes)
 
     def experts(self, name: str) -> Experts:
         from tandem.cuda.qlinear import GPUQuantWeight
         from tandem.cuda.weights import GPUQuantExperts
 
-        info, view = self._view(name)
-        return GPUQuantExperts(GPUQuantWeight(view, info.qtype, info.shape), self.loader.ieee)
+        info = self.loader.info(name)
+        blocks = GPUQuantWeight(_as_torch_bytes(info.data), info.qtype, info.shape, stream=self.stream)
+        return GPUQuantExperts(blocks, self.loader.ieee)
 
     def vector(self, name: str) -> torch.Tensor:
-        info, view = self._view(name)
-        return view.view(torch.float32).view(info.shape)  # a live view: F32 only (checked by the caller)
+        info = self.loader.info(name)
+        at = self.offsets[name]
+        return self.stream.vectors(at + info.n_bytes)[at:].view(torch.float32).view(info.shape)

@@ -1,24 +1,31 @@
-"""Experts kept in host RAM while the rest of the model computes on a GPU.
+"""Weights kept in host RAM while the rest of the model computes on a GPU.
 
-Decode: the hidden states of the routed tokens go to the CPU, ggml computes the experts on the
-mmap'd blocks, the result returns. Prefill (a batch of `min_batch` tokens or more): the layer's
-expert blocks are copied into a bounded GPU staging window and computed there with the GPU kernels,
-since PCIe moves an expert faster than the CPU can compute it for many tokens.
+Decode (and batches under `min_batch` tokens): the inputs of a host op -- the routed hidden states,
+expert ids and mixing weights -- go to page-locked host buffers, ggml computes the experts on the
+mmap'd blocks, the result comes back (`HostCall`). Work the caller queues on the GPU between
+`start` and the result (the shared expert, Gemma 4's dense branch) runs while the CPU computes.
+
+Prefill (a batch of `min_batch` tokens or more): the experts the batch routes to are streamed to the
+GPU through a bounded two-slot window, chunk by chunk, and computed there (`ExpertStream`), since PCIe
+moves an expert faster than the CPU can compute it for many tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tandem.gguf import TensorInfo
 from tandem.layers.linear import Experts, GGMLLinear
-from tandem.layers.moe import RoutedExperts, Routing
+from tandem.layers.moe import Pending, RoutedExperts, Routing
 
-STAGING_ALIGN = 256  # bytes: keeps every staged tensor's view aligned for any element type
+if TYPE_CHECKING:
+    from tandem.cuda.graphs import SegmentedGraph
+    from tandem.cuda.qlinear import GPUQuantWeight
+
+HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
 
 
 class ExpertSource(Protocol):
@@ -29,29 +36,111 @@ class ExpertSource(Protocol):
     def vector(self, name: str) -> torch.Tensor: ...
 
 
+class HostCall:
+    """A host function called from a GPU model: inputs to page-locked buffers, the function, the result back.
+
+    A boundary of the captured decode step (cuda/graphs.py): while `segments` is set, the graph captured
+    so far ends where the host part must run, and the replay runs it there; the copies in and out are
+    captured in the graphs. Eager calls run the same code with the same buffers.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[list[torch.Tensor]], torch.Tensor],
+        bind: Callable[[list[torch.Tensor], torch.Tensor], Callable[[], None] | None] | None = None,
+        rows: int = HOST_CALL_ROWS,
+    ) -> None:
+        self.fn = fn  # CPU tensors [rows, ...] -> float32 CPU tensor of the output's size
+        # Optional: fn prepared on the fixed buffers (inputs, output), which then runs with no per-call work.
+        self.bind = bind
+        self.rows = rows
+        self.segments: SegmentedGraph | None = None
+        self._buffers: list[torch.Tensor] = []  # page-locked, kept for the life of the op (graphs copy into them)
+        self._bound: dict[int, Callable[[], None] | None] = {}  # per row count
+
+    def __call__(
+        self, inputs: Sequence[torch.Tensor], out_shape: Sequence[int], out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """fn(inputs) on the host, as a tensor of `out_shape` and `out_dtype` on the inputs' GPU."""
+        return self._start(inputs, out_shape, out_dtype, overlap=False)()
+
+    def start(self, inputs: Sequence[torch.Tensor], out_shape: Sequence[int], out_dtype: torch.dtype) -> Pending:
+        """Send the inputs; the returned function waits for the host part and gives the result. GPU work
+        queued before calling it runs while the CPU computes."""
+        return self._start(inputs, out_shape, out_dtype, overlap=True)
+
+    def _start(self, inputs: Sequence[torch.Tensor], shape: Sequence[int], out_dtype: torch.dtype,
+               overlap: bool) -> Pending:  # fmt: skip
+        rows = inputs[0].shape[0]
+        device = inputs[0].device
+        out_shape = torch.Size(shape)
+        if rows > self.rows:  # a big eager batch (a type without GPU kernels in prefill): plain copies
+            assert self.segments is None, "a captured step has fixed, small shapes"
+            out = self.fn([x.cpu() for x in inputs]).to(device).view(out_shape).to(out_dtype)
+            return lambda: out
+        host_in = [self._buffer(i, x[0].numel(), x.dtype)[:rows].view(x.shape) for i, x in enumerate(inputs)]
+        for h, x in zip(host_in, inputs, strict=True):
+            h.copy_(x, non_blocking=True)
+        out_host = self._buffer(len(inputs), out_shape.numel() // rows, torch.float32)[:rows]
+        if rows not in self._bound:  # the buffers' addresses never change: prepare once per row count
+            self._bound[rows] = self.bind(host_in, out_host) if self.bind is not None else None
+        bound = self._bound[rows]
+        ready = torch.cuda.Event()
+
+        def run() -> None:
+            ready.synchronize()
+            if bound is not None:
+                bound()
+            else:
+                out_host.copy_(self.fn(host_in).reshape(out_host.shape))
+
+        def finish() -> torch.Tensor:
+            self._at_host(run if overlap else lambda: (ready.record(), run()))
+            return out_host.to(device, non_blocking=True).view(out_shape).to(out_dtype)
+
+        if overlap:
+            self._at_host(ready.record)
+        return finish
+
+    def _at_host(self, step: Callable[[], object]) -> None:
+        """Run `step` now, or, while a step is being captured, at this point of every replay."""
+        if self.segments is None:
+            step()
+        else:
+            self.segments.split(step)
+
+    def _buffer(self, i: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked buffer i, [self.rows, width]; made at the first (eager) call, so that a capture only
+        records copies to and from memory that lives as long as this object."""
+        from tandem.cuda.host_memory import pinned_empty
+
+        if i == len(self._buffers):
+            if self.segments is not None:
+                raise RuntimeError("host buffers must exist before capture: run one eager step first")
+            self._buffers.append(pinned_empty((self.rows, width), dtype))
+        buf = self._buffers[i]
+        if buf.shape[1] != width or buf.dtype != dtype:
+            raise RuntimeError(f"host op buffer {i} changed from {buf.shape[1]} x {buf.dtype} to {width} x {dtype}")
+        return buf
+
+
 @dataclass(eq=False)
 class HostLinear:
-    """A CPU (ggml) linear used from a GPU model: activations cross to the CPU and back.
-
-    Like every host op here it is a boundary of the captured decode step (see cuda/graphs.py)."""
+    """A CPU (ggml) linear used from a GPU model (`-ot` put a matrix on the CPU)."""
 
     inner: GGMLLinear
-    segments: Any = None
+    host: HostCall = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = HostCall(lambda xs: self.inner(xs[0]))
 
     @property
     def out_features(self) -> int:
         return self.inner.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (*x.shape[:-1], self.out_features)
-        if self.segments is not None:
-            return self.segments.boundary(self, (x,), shape, x.dtype)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        self.host_run((x,), out)
-        return out
-
-    def host_run(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        out.copy_(self.inner(inputs[0].float().cpu()), non_blocking=True)
+        flat = x.reshape(-1, x.shape[-1]).float()
+        return self.host([flat], (*x.shape[:-1], self.out_features), x.dtype)
 
 
 @dataclass(eq=False)
@@ -59,81 +148,137 @@ class HostExperts:
     """CPU experts used one projection at a time from a GPU model (when not built through OffloadedExperts)."""
 
     inner: Experts
-    segments: Any = None
+    host: HostCall = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = HostCall(lambda xs: self.inner(xs[0], xs[1]))
 
     @property
     def out_features(self) -> int:
         return self.inner.out_features
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        shape = (*ids.shape, self.out_features)
-        if self.segments is not None:
-            return self.segments.boundary(self, (x, ids), shape, x.dtype)
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        self.host_run((x, ids), out)
-        return out
-
-    def host_run(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        x, ids = inputs
-        out.copy_(self.inner(x.float().cpu(), ids.cpu()), non_blocking=True)
+        return self.host([x.float(), ids.to(torch.int32)], (*ids.shape, self.out_features), x.dtype)
 
 
-class StagingWindow:
-    """One GPU buffer that holds a layer's CPU-resident expert blocks during a prefill step.
+class ExpertStream:
+    """Streams expert blocks from host RAM to the GPU through a bounded window.
 
-    Every layer reuses the window from offset 0: copies and kernels are ordered on one stream, so the
-    next layer's copy starts only after the previous layer's kernels have read the window.
+    The window has two slots of `slot_bytes` (the chunk of whole experts copied at a time) and a region
+    for a layer's expert vectors (biases, scales). The copy of chunk i + 1 runs on a copy stream while the
+    compute stream works on chunk i; a slot is overwritten only after the kernels that read it are done.
+    Only chunks holding experts the batch routes to are copied. `source_pin` is the registration that keeps
+    the source (the file mapping) page-locked; this object holds it for as long as it streams. Without one,
+    each chunk first goes through one of two page-locked host buffers (a CPU copy), which still overlaps the
+    GPU's work on the previous chunk.
     """
 
-    def __init__(self, n_bytes: int, device: torch.device) -> None:
-        self.buffer = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    def __init__(
+        self, slot_bytes: int, vector_bytes: int, device: torch.device, source_pin: object | None = None
+    ) -> None:
+        self.slot_bytes = slot_bytes
+        self.window = torch.empty(2 * slot_bytes + vector_bytes, dtype=torch.uint8, device=device)
+        self.copy_stream = torch.cuda.Stream(device)
+        self._free = [torch.cuda.Event(), torch.cuda.Event()]  # slot may be overwritten
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]  # slot holds its chunk
+        self.source_pin = source_pin
+        self._bounce: list[torch.Tensor] | None = None
+        if source_pin is None:
+            from tandem.cuda.host_memory import pinned_empty
 
-    def layout(self, infos: list[TensorInfo]) -> dict[str, int]:
-        """Byte offset of each tensor in the window (the same for every layer)."""
-        offsets: dict[str, int] = {}
-        at = 0
-        for info in infos:
-            offsets[info.name] = at
-            at += -(-info.n_bytes // STAGING_ALIGN) * STAGING_ALIGN
-        if at > self.buffer.numel():
-            raise ValueError(f"staging window of {self.buffer.numel()} bytes cannot hold {at} bytes")
-        return offsets
+            self._bounce = [pinned_empty((slot_bytes,), torch.uint8) for _ in range(2)]
+        self._next = 0
 
-    def view(self, offset: int, n_bytes: int) -> torch.Tensor:
-        return self.buffer[offset : offset + n_bytes]
+    def vectors(self, n_bytes: int) -> torch.Tensor:
+        """The window's vector region (after the two slots)."""
+        return self.window[2 * self.slot_bytes : 2 * self.slot_bytes + n_bytes]
 
-    def fill(self, infos: list[TensorInfo], offsets: dict[str, int]) -> None:
-        for info in infos:
-            src = torch.from_numpy(info.data)
-            self.view(offsets[info.name], info.n_bytes).copy_(src, non_blocking=True)
+    def chunks(self, w: GPUQuantWeight, tiles_per_expert: Sequence[int]) -> Iterator[tuple[int, int, GPUQuantWeight]]:
+        """(first expert, end expert, blocks of those experts on the GPU) for each chunk with routed experts;
+        w.data is in host RAM. Valid until the generator is advanced."""
+        from tandem.cuda.qlinear import GPUQuantWeight
+
+        n_experts, expert_bytes = w.shape[0], w.expert_bytes
+        per_chunk = max(1, self.slot_bytes // expert_bytes)
+        if per_chunk * expert_bytes > self.slot_bytes:
+            raise ValueError(f"one expert ({expert_bytes} bytes) does not fit a staging slot of {self.slot_bytes}")
+        ranges = []
+        for e0 in range(0, n_experts, per_chunk):
+            used = [e for e in range(e0, min(e0 + per_chunk, n_experts)) if tiles_per_expert[e]]
+            if used:
+                ranges.append((used[0], used[-1] + 1))
+        compute = torch.cuda.current_stream()
+
+        def copy(e0: int, e1: int) -> tuple[int, torch.Tensor]:
+            slot = self._next
+            self._next ^= 1
+            dst = self.window[slot * self.slot_bytes : slot * self.slot_bytes + (e1 - e0) * expert_bytes]
+            src = w.data[e0 * expert_bytes : e1 * expert_bytes]
+            if self._bounce is not None:
+                self._copied[slot].synchronize()  # the bounce buffer's previous copy to the GPU is done
+                src = self._bounce[slot][: src.numel()].copy_(src)
+            self.copy_stream.wait_event(self._free[slot])
+            with torch.cuda.stream(self.copy_stream):
+                dst.copy_(src, non_blocking=True)
+                self._copied[slot].record()
+            return slot, dst
+
+        pending = copy(*ranges[0]) if ranges else None
+        for i, (e0, e1) in enumerate(ranges):
+            assert pending is not None
+            slot, dst = pending
+            if i + 1 < len(ranges):
+                pending = copy(*ranges[i + 1])
+            compute.wait_event(self._copied[slot])
+            yield e0, e1, GPUQuantWeight(dst, w.qtype, (e1 - e0, *w.shape[1:]))
+            self._free[slot].record(compute)
 
 
 @dataclass(eq=False)
 class OffloadedExperts:
     """Routed experts whose weights stay in host RAM, used by a model that computes on a GPU.
 
-    Also a host boundary of the captured decode step (cuda/graphs.py): while `segments` is set, a
-    call ends the current graph and the replay runs `host_run` in its place.
+    Small batches run on the CPU through a HostCall (a boundary of the captured decode step); batches of
+    `min_batch` tokens or more run `streamed`: the same experts built over blocks the GPU kernels read
+    through an ExpertStream, after `stage_vectors` copied the layer's expert vectors into the window.
     """
 
     on_cpu: RoutedExperts  # built over ggml experts and CPU vectors
-    staged: RoutedExperts | None  # built over views of the staging window (None: no GPU kernel for a type)
-    stage: Callable[[], None] | None  # copies the layer's expert blocks into the window
+    streamed: RoutedExperts | None  # built over streamed blocks (None: no GPU kernel for a type)
+    stage_vectors: Callable[[], None] | None
     min_batch: int  # batches this large stream the experts to the GPU (llama.cpp: 32)
-    segments: Any = None  # a SegmentedGraph while the decode step is being captured
+    host: HostCall = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = HostCall(
+            lambda xs: self.on_cpu(xs[0], Routing(ids=xs[1], weights=xs[2])),
+            bind=self._bind if hasattr(self.on_cpu, "bind") else None,
+        )
+
+    def _bind(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
+        return self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.segments is not None:
-            return self.segments.boundary(self, (x, routing.ids, routing.weights), x.shape, x.dtype)
-        if self.staged is not None and self.stage is not None and x.shape[0] >= self.min_batch:
-            self.stage()
-            return self.staged(x, routing)
-        out = torch.empty_like(x)
-        self.host_run((x, routing.ids, routing.weights), out)
-        return out
+        if self._streams(x):
+            return self._stream(x, routing)
+        return self.host(self._host_inputs(x, routing), x.shape, x.dtype)
 
-    def host_run(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        """Experts on the CPU: the routed hidden states come over, ggml computes, the result goes back."""
-        x, ids, weights = inputs
-        on_host = Routing(ids=ids.cpu(), weights=weights.float().cpu())
-        out.copy_(self.on_cpu(x.float().cpu(), on_host), non_blocking=True)
+    def start(self, x: torch.Tensor, routing: Routing) -> Pending:
+        """Begin the experts; the CPU computes them while the caller queues GPU work, until the result is asked."""
+        if self._streams(x):
+            out = self._stream(x, routing)
+            return lambda: out
+        return self.host.start(self._host_inputs(x, routing), x.shape, x.dtype)
+
+    def _streams(self, x: torch.Tensor) -> bool:
+        return self.streamed is not None and x.shape[0] >= self.min_batch
+
+    def _stream(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        assert self.streamed is not None
+        if self.stage_vectors is not None:
+            self.stage_vectors()
+        return self.streamed(x, routing)
+
+    @staticmethod
+    def _host_inputs(x: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
+        return [x.float(), routing.ids.to(torch.int32), routing.weights.float()]

@@ -1,0 +1,187 @@
+"""Where prefill and decode spend their time (run on the device), per placement.
+
+    python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
+
+For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
+step spent in the host part of the host ops (ggml computing the experts, measured inside HostCall) against
+the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
+profiler). Also the ggml expert FFN alone at one token, for several thread counts (the CPU's floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import tandem
+from tandem.runtime.offload import HostCall
+
+PLACEMENTS = {
+    "cpu-moe": {"cpu_moe": True},
+    "n-cpu-moe-24": {"n_cpu_moe": 24},
+    "all": {},
+}
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _prefill(llm: tandem.LLM, n: int) -> float:
+    llm.engine.reset()
+    _sync()
+    start = time.perf_counter()
+    llm.engine.feed(list(range(100, 100 + n)))
+    _sync()
+    return n / (time.perf_counter() - start)
+
+
+def _decode(llm: tandem.LLM, n: int) -> float:
+    engine = llm.engine
+    logits = engine.feed(list(range(100, 164)))
+    engine.append([int(torch.argmax(logits))])  # the first step is eager (compiles, captures next)
+    logits = engine.append([int(torch.argmax(logits))])
+    _sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        logits = engine.append([int(torch.argmax(logits))])
+    _sync()
+    return n / (time.perf_counter() - start)
+
+
+def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
+    """(host-part ms per token, step ms per token, host ops per token) over n decode steps."""
+    spent = [0.0]
+    calls = [0]
+    hosts = [h for h in llm.model.host_boundaries if isinstance(h, HostCall)]
+    originals = [h.fn for h in hosts]
+
+    def timed(fn):  # type: ignore[no-untyped-def]
+        def run(xs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            out = fn(xs)
+            spent[0] += time.perf_counter() - start
+            calls[0] += 1
+            return out
+
+        return run
+
+    for h in hosts:
+        h.fn = timed(h.fn)
+    try:
+        spent[0] = 0.0
+        calls[0] = 0
+        rate = _decode(llm, n)
+        # _decode ran 2 warm-up steps plus n timed ones; the 64-token prompt streams (no host calls)
+        per_token_calls = calls[0] / (n + 2)
+        host_ms = spent[0] / (n + 2) * 1e3
+    finally:
+        for h, fn in zip(hosts, originals, strict=True):
+            h.fn = fn
+    return host_ms, 1e3 / rate, round(per_token_calls)
+
+
+def _profile_prefill(llm: tandem.LLM, n: int, rows: int = 14) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.engine.reset()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.engine.feed(list(range(100, 100 + n)))
+        _sync()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
+def _profile_decode(llm: tandem.LLM, steps: int = 8, rows: int = 14) -> str:
+    """Top CUDA kernels of a few decode steps (graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    logits = engine.feed(list(range(100, 164)))
+    for _ in range(2):
+        logits = engine.append([int(torch.argmax(logits))])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            logits = engine.append([int(torch.argmax(logits))])
+        _sync()
+    return f"decode, {steps} steps:\n" + prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60
+    )
+
+
+def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
+    """The first CPU-resident layer's fused expert FFN at one token, alone, per thread count."""
+    from tandem.quant.ggml_cpu import CPUKernels
+
+    layer = next((b.ffn for b in llm.model.blocks if hasattr(b.ffn, "experts")), None)
+    experts = getattr(getattr(layer, "experts", None), "on_cpu", None)
+    if experts is None or not hasattr(experts, "gate"):
+        return ["(no CPU experts with gate/up/down in this placement)"]
+    gate, up, down = experts.gate.weight, experts.up.weight, experts.down.weight
+    a = 8
+    bytes_per_call = a * (gate.data.nbytes + up.data.nbytes + down.data.nbytes) // gate.shape[0]
+    lines = []
+    for n in threads:
+        kernels = CPUKernels(n)
+        x = torch.randn(1, gate.shape[2])
+        ids = torch.randperm(gate.shape[0])[:a].view(1, a).int()
+        w = torch.full((1, a), 1.0 / a)
+        for _ in range(20):
+            kernels.gated_experts(x, gate, up, down, ids, w, "swiglu")
+        reps = 200
+        start = time.perf_counter()
+        for _ in range(reps):
+            ids = torch.randperm(gate.shape[0])[:a].view(1, a).int()
+            kernels.gated_experts(x, gate, up, down, ids, w, "swiglu")
+        ms = (time.perf_counter() - start) / reps * 1e3
+        kernels.close()
+        lines.append(
+            f"ggml expert FFN, 1 token, top-{a}, {n} threads: {ms:.3f} ms ({bytes_per_call / ms / 1e6:.1f} GB/s)"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--placements", default="cpu-moe,all")
+    p.add_argument("-t", "--threads", type=int, default=16)
+    p.add_argument("--pp", type=int, default=512)
+    p.add_argument("--tg", type=int, default=64)
+    p.add_argument("--floor-threads", default="8,12,16")
+    a = p.parse_args()
+    summary = []
+    for name in a.placements.split(","):
+        start = time.perf_counter()
+        with tandem.LLM(a.model, device="cuda", threads=a.threads, n_ctx=2048, **PLACEMENTS[name]) as llm:
+            load_s = time.perf_counter() - start
+            print(f"== {name}: loaded in {load_s:.1f} s; notices: {llm.notices}")
+            print(f"   VRAM plan {llm.plan.gpu_bytes() >> 20} MiB (staging {llm.plan.staging_bytes >> 20} MiB)")
+            _prefill(llm, a.pp)  # warm-up: compiles and tunes the prefill kernels
+            pp = max(_prefill(llm, a.pp) for _ in range(2))
+            tg = _decode(llm, a.tg)
+            peak = torch.cuda.max_memory_allocated() >> 20
+            print(f"   pp{a.pp} {pp:.1f} tok/s, tg {tg:.1f} tok/s, torch peak {peak} MiB")
+            line = f"{name}: pp{a.pp} {pp:.1f} tok/s, tg {tg:.1f} tok/s"
+            if llm.model.host_boundaries:
+                host_ms, step_ms, calls = _host_share(llm, a.tg)
+                print(
+                    f"   decode step {step_ms:.2f} ms: host parts {host_ms:.2f} ms ({calls} host ops per token), "
+                    f"the rest {step_ms - host_ms:.2f} ms"
+                )
+                line += f"; step {step_ms:.2f} ms = host {host_ms:.2f} + rest {step_ms - host_ms:.2f}"
+                for floor in _ggml_floor(llm, [int(t) for t in a.floor_threads.split(",")]):
+                    print("   " + floor)
+            print(_profile_prefill(llm, a.pp))
+            print(_profile_decode(llm))
+            summary.append(line)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    print("== summary")
+    for line in summary:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

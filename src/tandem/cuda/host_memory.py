@@ -1,0 +1,80 @@
+"""Page-locked host memory for the transfers between host RAM and the GPU.
+
+A copy from pageable memory goes through the driver's own bounce buffers and blocks the host; from
+page-locked memory it is a DMA that runs at PCIe speed, asynchronously, and may be captured in a CUDA
+graph. Two uses:
+- the small exchange buffers of a host op (hidden states to the CPU experts and back): torch's pinned
+  tensors, allocated once and kept by their op (torch allows captured copies only from those);
+- the memory-mapped GGUF bytes of CPU-resident experts, registered in place (no copy, no VRAM), so that
+  prefill can stream them to the GPU at full PCIe speed.
+
+The registration goes through the driver API (cuMemHostRegister): a refusal returns an error code there
+and leaves no sticky error in the runtime that torch's next CUDA call would report as its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+PAGE = 4096
+_REGISTER_PORTABLE = 0x01
+_REGISTER_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY: for read-only mappings such as the GGUF file
+
+
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+class HostRegistration:
+    """A registered (page-locked) host range; unregistered by `close()` or when garbage collected."""
+
+    def __init__(self, ptr: int, n_bytes: int, owner: object) -> None:
+        self.ptr = ptr
+        self.n_bytes = n_bytes
+        # The finalizer holds `owner` (the memory's owner: an array over the file mapping, a tensor), so the
+        # memory cannot be unmapped or freed while it is still registered.
+        self._finalizer = weakref.finalize(self, _unregister, ptr, owner)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _unregister(ptr: int, owner: object) -> None:
+    try:
+        _driver().cuMemHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the driver releases it with the process
+        pass
+
+
+def register_host(
+    ptr: int, n_bytes: int, read_only: bool, owner: object, device: torch.device
+) -> HostRegistration | str:
+    """Page-lock [ptr, ptr + n_bytes) (widened to whole pages, which must belong to `owner`'s memory) for
+    copies to `device`. Returns the registration, or the driver's error name when it refuses (the caller
+    then keeps pageable copies)."""
+    torch.empty(1, device=device)  # the device's context is current on this thread (the driver API needs it)
+    start = ptr - ptr % PAGE
+    end = -(-(ptr + n_bytes) // PAGE) * PAGE
+    lib = _driver()
+    errors = []
+    # Read-only first where the memory is read-only (not every platform supports the flag), then plain.
+    for flags in ([_REGISTER_PORTABLE | _REGISTER_READ_ONLY] if read_only else []) + [_REGISTER_PORTABLE]:
+        err = lib.cuMemHostRegister_v2(start, end - start, flags)
+        if err == 0:
+            return HostRegistration(start, end - start, owner)
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(name))
+        errors.append(f"flags {flags}: {(name.value or b'?').decode()}")
+    return "; ".join(errors)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked CPU tensor from torch's pinned allocator."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
