@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
 # tandem vs llama.cpp on the GPU machine, in ONE device call of under 10 minutes:
-#   1. install the carried wheels, build ggml-python (tandem's CPU kernels) and llama-cpp-python with CUDA
-#      for sm_90 (scripts/build_llamacpp.sh --cuda), the two builds side by side, nothing measured meanwhile;
-#   2. per model: `tandem synth --like MODEL`, then `tandem bench --compare llamacpp` over the placement
-#      matrix (--cpu-moe, --n-cpu-moe half the layers, all on the GPU), then delete the model;
-#   3. the reports land in $OUT/MODEL/report.{json,md,png}, the log in $OUT/device_compare.log (7 files:
-#      what comes back from $OUT is at most 8 files, two folders deep).
+#   1. install the carried wheels, build ggml-python (tandem's CPU kernels), then llama-cpp-python with CUDA
+#      for sm_90 (scripts/build_llamacpp.sh --cuda) in the background, about 5 minutes. Meanwhile, nothing
+#      measured: synthesise the models (`tandem synth --like MODEL`, ~16 s each; all of them when the model
+#      folder has room), run the GPU tests (GPU_TESTS=1), and fill Triton's autotuning cache with one short
+#      untimed tandem run per model (PREWARM, see below) while the build still runs;
+#   2. per model: `tandem bench --compare llamacpp` over the placement matrix (--cpu-moe, --n-cpu-moe half
+#      the layers, all on the GPU), then delete the model;
+#   3. the reports land in $OUT/MODEL/report.{json,md,png}, the log in $OUT/device_compare.log (8 files at
+#      most: what comes back from $OUT is at most 8 files, two folders deep). The last lines printed are the
+#      summary: each model's table from its report.md (engine x placement: pp, tg, VRAM, ratio).
 #
 # Prepare here first:  bench/prepare_device.sh   (stages .peers/ and .whl/)
 # Device call:         run(command="bash bench/device_compare.sh", carry=[".whl", ".peers"], timeout_s=600)
 #
-# Time: the builds take about 4 minutes; the benches share what is left before DEADLINE_S, each model an
-# equal part (tandem bench --budget), runs alternating tandem/llama.cpp, repetition 1 of every row first, so
-# a short budget still gives one measurement of each. A run that overstays is cut (--timeout) and reported.
+# Time (default: 2 models x 3 placements x 2 engines x 3 reps, pp 512, tg 128, in DEADLINE_S=570 s): the
+# build ends at about 330 s; the benches share what is left, each model an equal part of what remains when
+# it starts (tandem bench --budget). One worker process per engine x placement (load and warm up once, then
+# the 3 repetitions), tandem and llama.cpp alternating; every row gets its first repetition before any row
+# runs into the time the others need (see src/tandem/bench/compare.py). A tandem process pays Triton's
+# autotuning in its warm-up unless the cache has it (TRITON_CACHE_AUTOTUNING=1, filled by PREWARM): some
+# 10-20 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
 #
 # Knobs (environment):
 #   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets;  MODEL_FILES="a.gguf b.gguf" uses files instead
-#   MATRIX=cpu-moe,n-cpu-moe=half,all  PP=512,2048  TG=128  REPS=3  THREADS=16  DEVICE=cuda
+#   MATRIX=cpu-moe,n-cpu-moe=half,all  PP=512 (e.g. 512,2048: more time)  TG=128  REPS=3  THREADS=16  DEVICE=cuda
 #   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; log in $OUT/pytest_gpu.log)
+#   PREWARM=1 (default; 0: off) one untimed `tandem bench --tg 4 --reps 1` per synthesised model while the
+#     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
@@ -30,10 +40,11 @@ repo=$PWD
 OUT="${OUT:-$repo/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_AUTOTUNING="${TRITON_CACHE_AUTOTUNING:-1}"  # autotuning results kept across processes
 
 MODELS="${MODELS:-qwen3-30b-a3b qwen3.6-35b-a3b}"
 MATRIX="${MATRIX:-cpu-moe,n-cpu-moe=half,all}"
-PP="${PP:-512,2048}"
+PP="${PP:-512}"
 TG="${TG:-128}"
 REPS="${REPS:-3}"
 THREADS="${THREADS:-16}"
@@ -81,7 +92,7 @@ if [[ -z "$MODEL_DIR" ]]; then
 fi
 mkdir -p "$MODEL_DIR"
 
-synth() {  # synth PRESET -> prints the path; the first model is made while llama.cpp still builds
+synth() {  # synth PRESET -> prints the path (made now unless it was made while llama.cpp built)
   local name=$1 path="$MODEL_DIR/$1.gguf" layers=()
   [[ -n "${LAYERS:-}" ]] && layers=(--layers "$LAYERS")
   if [[ ! -f "$path" ]]; then
@@ -93,9 +104,15 @@ synth() {  # synth PRESET -> prints the path; the first model is made while llam
 
 read -r -a models <<<"$MODELS"
 read -r -a files <<<"${MODEL_FILES:-}"
-if [[ ${#files[@]} -eq 0 && ${#models[@]} -gt 0 ]]; then
-  say "synth ${models[0]}"
-  synth "${models[0]}" >/dev/null && say "synth ${models[0]}: $(du -h "$MODEL_DIR/${models[0]}.gguf" | cut -f1)"
+building() { [[ -n "$llama_pid" ]] && kill -0 "$llama_pid" 2>/dev/null; }
+early=()  # models made while llama.cpp builds: the first always, the others while the folder has room
+if [[ ${#files[@]} -eq 0 ]]; then
+  for m in "${models[@]}"; do
+    free_kb=$(df -Pk "$MODEL_DIR" | awk 'NR==2 {print $4}')
+    if (( ${#early[@]} > 0 )) && { ! building || (( free_kb < 30 * 1024 * 1024 )); }; then break; fi
+    say "synth $m"
+    synth "$m" >/dev/null && { say "synth $m: $(du -h "$MODEL_DIR/$m.gguf" | cut -f1)"; early+=("$MODEL_DIR/$m.gguf"); }
+  done
 fi
 
 if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
@@ -103,6 +120,16 @@ if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp
   "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py >"$OUT/pytest_gpu.log" 2>&1
   say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
   grep -E "relative L2|^FAILED" "$OUT/pytest_gpu.log" | head -20
+fi
+
+if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu ]]; then  # Triton's compiles and autotuning, while the build runs
+  for model in "${early[@]}" "${files[@]}"; do
+    building || break
+    say "prewarm $(basename "$model") (untimed: fills Triton's cache)"
+    "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" --pp "${PP%%,*}" --tg 4 --reps 1 \
+      >/tmp/prewarm.log 2>&1 || { say "prewarm FAILED (the benches will tune for themselves)"; tail -5 /tmp/prewarm.log; }
+  done
+  say "prewarm done"
 fi
 
 if [[ -n "$llama_pid" ]]; then
@@ -118,7 +145,7 @@ status=0
 for k in "${!targets[@]}"; do
   target=${targets[$k]}
   if [[ ${#files[@]} -eq 0 ]]; then
-    say "synth $target"
+    [[ -f "$MODEL_DIR/$target.gguf" ]] || say "synth $target"
     model=$(synth "$target") || { status=1; continue; }
     name=$target
   else
@@ -128,8 +155,9 @@ for k in "${!targets[@]}"; do
   left=$(( DEADLINE_S - $(elapsed) ))
   share=$(( left / (n_targets - k) ))
   if (( share < 30 )); then say "no time left for $name ($left s)"; status=1; continue; fi
-  budget=$(( share - 20 ))  # 20 s for the orchestrator's start and the report; `timeout` below is the hard stop
+  budget=$(( share - 15 ))  # 15 s for the orchestrator's start and the report; `timeout` below is the hard stop
   say "bench $name: $share s (budget $budget s)"
+  # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
     --matrix "$MATRIX" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
     --timeout "$budget" --budget "$budget" --report "$OUT/$name" >"/tmp/bench_$name.out"
@@ -142,6 +170,15 @@ done
 
 say "done, exit $status; reports under $OUT"
 ls -R "$OUT"
+# The summary, last: each model's table (engine x placement: pp, tg, VRAM, ratio), from its report.md.
+echo
+echo "== summary: pp $PP, tg $TG, $REPS reps (median), threads $THREADS, device $DEVICE; $(elapsed) s in all =="
+for target in "${targets[@]}"; do
+  name=$target
+  [[ ${#files[@]} -eq 0 ]] || name=$(basename "$target" .gguf)
+  echo "-- $name"
+  if [[ -f "$OUT/$name/report.md" ]]; then grep '^|' "$OUT/$name/report.md"; else echo "(no report)"; fi
+done
 return $status
 }
 

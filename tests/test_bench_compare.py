@@ -1,13 +1,15 @@
 """`tandem bench --compare llamacpp --report DIR`: placement translation, failure rows, files, exit codes.
 
 The failure tests force each failure the report must survive: the peer missing (--peer-lib at an empty
-directory), a worker crash and a bad result line (TANDEM_BENCH_INJECT, see tandem/bench/protocol.py), and a
-timeout (a hanging worker under a tiny --timeout). The side-by-side test runs only where the llama-cpp-python
-CPU build (scripts/build_llamacpp.sh) is importable.
+directory), a worker crash and a bad result line (TANDEM_BENCH_INJECT, see tandem/bench/protocol.py), a crash
+after the first repetition (its repetition kept), and a timeout (a hanging worker under a tiny --timeout);
+report.png through its subprocess and through both fallbacks. The side-by-side test runs only where the
+llama-cpp-python CPU build (scripts/build_llamacpp.sh) is importable.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
@@ -16,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.compare import _stop, default_peer_lib, run_worker
-from tandem.bench.protocol import INJECT_ENV, parse_result, prompt_ids
+from tandem.bench import plot
+from tandem.bench.compare import _stop, default_peer_lib, run_worker, split_result
+from tandem.bench.protocol import INJECT_ENV, REP_MARKER, RepClock, parse_rep, parse_reps, parse_result, prompt_ids
 from tandem.bench.report import Row
 from tandem.bench.spec import LLAMA_ALL_EXPERTS, LLAMA_LAYER_EXPERTS, Placement, parse_matrix, to_llama
 from tandem.cli.main import main
@@ -105,6 +108,23 @@ def test_protocol_prompt_and_result_line() -> None:
     out = 'noise\nTANDEM_BENCH_RESULT {"ok": true}\nmore noise\n'
     assert parse_result(out) == {"ok": True}
     assert parse_result("nothing") is None
+    reps = f'{REP_MARKER}{{"rep": 0}}\nnoise\n{REP_MARKER}{{"rep": 1}}\n{REP_MARKER}{{"rep": 2, "cut'
+    assert parse_reps(reps) == [{"rep": 0}, {"rep": 1}]  # a line cut short by a kill is dropped
+    assert parse_rep("noise") is None
+    whole = {"load_s": 1.0, "pp_s": {"4": [0.1, 0.2]}, "tg_s": [0.3, 0.4]}
+    assert split_result(whole) == [
+        {"load_s": 1.0, "pp_s": {"4": [0.1]}, "tg_s": [0.3]},
+        {"load_s": 1.0, "pp_s": {"4": [0.2]}, "tg_s": [0.4]},
+    ]
+    clock = RepClock(deadline=None)
+    assert clock.may_start(0) and clock.may_start(5)
+    import time
+
+    clock = RepClock(deadline=time.time() + 5)
+    clock.last_s = 10.0
+    assert clock.may_start(0) and not clock.may_start(1)  # the first repetition always runs
+    clock.last_s = 1.0
+    assert clock.may_start(1)
 
 
 def _report(d: Path) -> dict:
@@ -163,6 +183,71 @@ def test_run_worker_outcomes() -> None:
     assert missing.status == "peer missing"
     slow = run_worker([sys.executable, "-c", "import time; time.sleep(30)"], 0.3)
     assert slow.status == "timeout" and slow.wall_s < 10
+
+
+def _fake_worker(reps: int, then: str, every_s: float = 0.0) -> list[str]:
+    """A worker that prints `reps` repetition lines (one every `every_s`), then does `then`."""
+    code = f"""
+import json, sys, time
+for r in range({reps}):
+    time.sleep({every_s})
+    print({REP_MARKER!r} + json.dumps({{"rep": r, "pp_s": {{"4": [0.1]}}, "tg_s": [0.2]}}), flush=True)
+{then}
+"""
+    return [sys.executable, "-c", code]
+
+
+def test_run_worker_keeps_the_repetitions_before_a_failure() -> None:
+    seen: list[dict] = []
+    crash = run_worker(_fake_worker(1, "print('boom', file=sys.stderr); sys.exit(3)"), 30, on_rep=seen.append, reps=3)
+    assert crash.status == "failed" and [r["rep"] for r in crash.reps] == [0] and seen == crash.reps
+    assert crash.error == "exit status 3 in repetition 2 of 3, after 1 of 3 repetitions\nboom"
+    hang = run_worker(_fake_worker(2, "time.sleep(60)"), 1.0, reps=3)
+    assert hang.status == "timeout" and len(hang.reps) == 2 and hang.wall_s < 10
+    assert hang.error == "timed out after 1 s in repetition 3 of 3, after 2 of 3 repetitions"
+    assert hang.first_rep_s is not None and hang.first_rep_s < 5
+    # The watchdog is per repetition: 4 repetitions of 0.4 s each outlast a 1 s timeout, and finish.
+    tail = "print('TANDEM_BENCH_RESULT ' + json.dumps({'ok': True}))"
+    steady = run_worker(_fake_worker(4, tail, every_s=0.4), 1.0, reps=4)
+    assert steady.status == "ok" and len(steady.reps) == 4 and steady.wall_s > 1.0
+    import time
+
+    cut = run_worker(_fake_worker(1, "time.sleep(60)"), 30, deadline=time.monotonic() + 1.0, reps=3)
+    assert cut.status == "budget" and len(cut.reps) == 1 and cut.wall_s < 10
+
+
+def test_reps_run_in_one_process_and_survive_a_later_crash(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process per row runs every repetition; a crash in repetition 2 keeps repetition 1 in the report."""
+    monkeypatch.setenv(INJECT_ENV, "crash@1:tandem")
+    empty = tmp_path / "no_peer"
+    empty.mkdir()
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "3", "--matrix", "all,cpu-moe"]
+    assert main([*argv, "--compare", "llamacpp", "--peer-lib", str(empty), "--report", str(out)]) == 1
+    rep = _report(out)
+    tandem = [r for r in rep["rows"] if r["engine"] == "tandem"]
+    assert [r["placement"] for r in tandem] == ["cpu", "cpu --cpu-moe"]
+    for row in tandem:
+        assert row["status"] == "failed" and row["reps_done"] == 1 and len(row["process_wall_s"]) == 1
+        assert row["error"].startswith("exit status 3 in repetition 2 of 3, after 1 of 3 repetitions")
+        assert "injected crash" in row["error"]
+        assert row["pp_tok_s"]["4"] > 0 and row["tg_tok_s"] > 0 and row["load_s"] > 0 and row["warmup_s"] > 0
+        assert [r["rep"] for r in row["runs"]] == [0]
+    md = (out / "report.md").read_text()
+    assert "| tandem | `cpu` | failed | 1/3 |" in md
+
+
+def test_one_process_runs_every_repetition(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "3", "--report", str(out)]
+    assert main(argv) == 0
+    (row,) = _report(out)["rows"]
+    assert (row["status"], row["reps_done"], len(row["process_wall_s"])) == ("ok", 3, 1)
+    assert [r["rep"] for r in row["runs"]] == [0, 1, 2] and [r["seed"] for r in row["runs"]] == [0, 1, 2]
+    assert len({r["load_s"] for r in row["runs"]}) == 1  # one load, one warm-up, for all three
+    assert "| tandem | `cpu` | ok | 3/3 |" in (out / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -238,3 +323,111 @@ def test_report_is_written_when_the_chart_cannot_be_drawn(
     md = (out / "report.md").read_text()
     assert "report.png was not drawn: SystemError: ft2font returned NULL" in md
     assert "| tandem | `cpu` | ok |" in md and (out / "report.json").is_file() and not (out / "report.png").exists()
+
+
+def test_worker_deadline_stops_after_the_first_repetition(tiny_qwen3moe_gguf: tuple[Path, Path], capsys) -> None:
+    """--deadline (the orchestrator's share of --budget): no repetition starts that would end past it."""
+    from tandem.bench import worker
+
+    model = str(tiny_qwen3moe_gguf[1])
+    assert worker.main(["-m", model, "--device", "cpu", *FAST, "--reps", "3", "--deadline", "1"]) == 0
+    out = capsys.readouterr().out
+    assert len(parse_reps(out)) == 1
+    result = parse_result(out)
+    assert result is not None and (result["reps_done"], result["reps_asked"], result["stopped"]) == (1, 3, "deadline")
+
+
+def _a_report(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> Path:
+    out = tmp_path / "rep"
+    if not (out / "report.json").is_file():
+        empty = tmp_path / "no_peer"
+        empty.mkdir(exist_ok=True)
+        argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "1", "--matrix", "all,cpu-moe"]
+        main([*argv, "--compare", "llamacpp", "--peer-lib", str(empty), "--report", str(out)])
+    return out
+
+
+def _is_png(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    import struct
+
+    return struct.unpack(">II", data[16:24])
+
+
+def test_png_is_drawn_in_a_fresh_interpreter(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    out = _a_report(tiny_qwen3moe_gguf, tmp_path)
+    assert "report.png" not in (out / "report.md").read_text()  # matplotlib drew it: no note
+    png = tmp_path / "again.png"
+    assert plot.render_png(out / "report.json", png) is None
+    assert _is_png(png)[0] > 500
+    # The subprocess imports matplotlib and nothing of tandem's (which would bring torch with it).
+    cmd = plot._subprocess_cmd(out / "report.json", tmp_path / "probe.png")
+    probe = f"""
+import runpy, sys
+sys.argv = {cmd[-3:]!r}
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "tandem", "ggml", "triton", "matplotlib"))[:3])
+"""
+    shown = subprocess.run([*cmd[:-3], "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "matplotlib" in shown and "torch" not in shown and "tandem" not in shown
+
+
+def test_png_fallbacks(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib's subprocess fails (as on the GPU image): Pillow draws it; without Pillow, the bare writer."""
+    out = _a_report(tiny_qwen3moe_gguf, tmp_path)
+    monkeypatch.setenv(plot.INJECT_ENV, "fail")
+    note = plot.render_png(out / "report.json", tmp_path / "pil.png")
+    assert note is not None and note.startswith("report.png drawn with Pillow") and "injected matplotlib" in note
+    assert _is_png(tmp_path / "pil.png")[0] >= 600
+    monkeypatch.setenv(plot.INJECT_ENV, "hang")
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL -> ImportError
+    note = plot.render_png(out / "report.json", tmp_path / "bare.png", timeout_s=3)
+    assert note is not None and "plain bars without text" in note and "timed out after 3 s" in note
+    assert "Pillow too (ModuleNotFoundError" in note
+    width, height = _is_png(tmp_path / "bare.png")
+    monkeypatch.delitem(sys.modules, "PIL")
+    from PIL import Image
+
+    with Image.open(tmp_path / "bare.png") as img:  # a PNG any reader takes, with coloured bars in it
+        assert img.size == (width, height) and plot._rgb(plot.COLORS["tandem"]) in {c for _, c in img.getcolors(9999)}
+
+
+def test_report_md_says_how_the_png_was_drawn(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(plot.INJECT_ENV, "fail")
+    out = tmp_path / "rep"
+    argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), *FAST, "--reps", "1", "--report", str(out)]
+    assert main(argv) == 0
+    md = (out / "report.md").read_text()
+    assert "_report.png drawn with Pillow: matplotlib's subprocess failed (exit status 1: SystemError: injected" in md
+    assert _is_png(out / "report.png")
+
+
+def test_budget_leaves_later_rows_their_first_repetition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker's --deadline holds back the first-repetition time of the rows still to run."""
+    import time
+
+    import tandem.bench.compare as compare
+    from tandem.bench.spec import BenchSettings
+
+    deadlines: list[float] = []
+
+    def fake_run_worker(cmd: list[str], timeout_s: float, **kw: object) -> compare.RunOutcome:
+        deadlines.append(float(cmd[cmd.index("--deadline") + 1]) - time.time())
+        rep = {"pp_s": {"4": [0.1]}, "tg_s": [0.2], "load_s": 1.0, "peak_rss_bytes": 1, "vram": {"used_bytes": None}}
+        kw["on_rep"](rep)  # type: ignore[operator]
+        return compare.RunOutcome("ok", result={**rep, "reps_done": 1}, reps=[rep], first_rep_s=10.0)
+
+    monkeypatch.setattr(compare, "run_worker", fake_run_worker)
+    settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=1, n_ctx=64, n_batch=8, budget_s=100)
+    placements = [Placement(), Placement(cpu_moe=True), Placement(n_cpu_moe=1)]
+    report = compare.Comparison(settings, placements, engines=("tandem",)).run(log=io.StringIO())
+    assert report.all_ok
+    # The first process knows no first-repetition time yet; the second holds back 10 s for the third.
+    assert deadlines[0] == pytest.approx(100, abs=2) and deadlines[1] == pytest.approx(90, abs=2)
+    assert deadlines[2] == pytest.approx(100, abs=2)

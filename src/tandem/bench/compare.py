@@ -1,11 +1,24 @@
 """`tandem bench --compare llamacpp --report DIR`: tandem and llama.cpp, same placement, side by side.
 
-Every engine x placement x repetition runs in its own worker process (worker.py for tandem,
-llamacpp_worker.py for llama.cpp) under a timeout, in alternating order (tandem, llama.cpp, tandem, ...;
-repetition r of every placement before repetition r + 1), so that drift in the machine's speed hits both
-engines alike and a crash, a hang or a missing peer costs one row, never the report. The report
-(report.json, report.md, report.png) is rewritten after every run, so even a run killed from outside leaves
-one behind. Exit status: 0 when every run succeeded, 1 when any failed (the report says which and why).
+Schedule: one worker process per engine x placement (worker.py for tandem, llamacpp_worker.py for
+llama.cpp), in alternating order: tandem at placement A, llama.cpp at A, tandem at B, llama.cpp at B, ...
+Each process loads the model once, warms up once and then runs all --reps repetitions, printing each
+repetition's result as soon as it is measured; the orchestrator keeps those, so a crash, a hang or a kill in
+repetition k leaves the row with the k - 1 repetitions before it (its status says what went wrong), and a
+missing peer costs its rows, never the report. The report (report.json, report.md; report.png at the end)
+is rewritten after every repetition, so even a run killed from outside leaves one behind.
+
+Time limits:
+  --timeout S   a watchdog per repetition: a worker is killed when S seconds pass without a repetition
+                finishing; the first repetition's S also covers starting, loading and warming up. So one
+                process of N repetitions runs at most N x S seconds, and a hang is caught after S.
+  --budget S    all the processes share S seconds. A process that cannot start in time is a "not run" row;
+                one still running at the end is killed (its repetitions so far kept: a "partial" row). Each
+                process is also told (worker --deadline) not to start a repetition that would eat into the
+                time the processes after it need for their first repetition (estimated from the latest
+                process of the same engine: start to first repetition), so a tight budget still measures
+                every row once before it measures any row three times; rows cut so are "partial" too.
+Exit status: 0 when every row ran every repetition, 1 otherwise (the report says which and why).
 """
 
 from __future__ import annotations
@@ -17,13 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.protocol import EXIT_PEER_MISSING, parse_result
+from tandem.bench.protocol import EXIT_PEER_MISSING, parse_rep, parse_result
 from tandem.bench.report import Report, Row, write_report
 from tandem.bench.spec import BenchSettings, Placement, to_llama
 from tandem.errors import TandemError
@@ -31,6 +44,7 @@ from tandem.errors import TandemError
 ENGINES = ("tandem", "llamacpp")
 STDERR_TAIL_LINES = 25
 PEER_LIB_ENV = "TANDEM_LLAMACPP_LIB"
+MIN_START_S = 1.0  # under --budget, a process is not started with less than this left
 
 
 def llamacpp_worker_path() -> Path:
@@ -49,12 +63,14 @@ def default_peer_lib(device: str) -> Path:
 
 @dataclass
 class RunOutcome:
-    """One worker process: its result, or what went wrong."""
+    """One worker process: its result, or what went wrong; the repetitions it finished either way."""
 
-    status: str  # ok, failed, timeout, peer missing, not run
+    status: str  # ok, failed, timeout, peer missing, budget (killed at --budget's end)
     result: dict[str, Any] | None = None
     error: str | None = None
     wall_s: float = 0.0
+    reps: list[dict[str, Any]] = field(default_factory=list)
+    first_rep_s: float | None = None  # start to the first repetition's line: start-up, load, warm-up, one rep
 
 
 class _Interrupted(Exception):
@@ -81,48 +97,150 @@ def _tail(text: str, n: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
-def run_worker(
-    cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None, peer: bool = False
-) -> RunOutcome:
-    """Run one worker; its stdout carries the result line, its stderr's tail explains a failure.
+POLL_S = 0.05
 
-    `peer`: the llama.cpp worker, whose exit status EXIT_PEER_MISSING means llama_cpp is not importable.
+
+class _LineReader:
+    """The complete lines a worker has written to its stdout file so far (a line cut short waits)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._pos = 0
+        self._partial = b""
+        self.text: list[str] = []
+
+    def new_lines(self, final: bool = False) -> list[str]:
+        self._f.seek(self._pos)
+        data = self._f.read()
+        self._pos += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        if final and self._partial:
+            lines.append(self._partial)
+            self._partial = b""
+        out = [line.decode("utf-8", "replace") for line in lines]
+        self.text += out
+        return out
+
+
+def run_worker(
+    cmd: Sequence[str],
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    peer: bool = False,
+    *,
+    deadline: float | None = None,
+    on_rep: Callable[[dict[str, Any]], None] | None = None,
+    reps: int | None = None,
+) -> RunOutcome:
+    """Run one worker: its stdout carries a line per repetition and the result line, its stderr's tail
+    explains a failure.
+
+    timeout_s: the per-repetition watchdog (see the module docstring): killed when timeout_s pass without a
+    repetition line, the first counted from the start. deadline: a time.monotonic() at which it is killed
+    whatever (--budget's end; status "budget"). on_rep: called with each repetition's result as it arrives.
+    reps: how many the worker was asked for (for the messages). `peer`: the llama.cpp worker, whose exit
+    status EXIT_PEER_MISSING means llama_cpp is not importable.
     """
     start = time.perf_counter()
-    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err:
+    got: list[dict[str, Any]] = []
+    first: float | None = None
+    killed: str | None = None
+    of = f" of {reps}" if reps else ""
+
+    def where() -> str:  # which repetition was running
+        return "after its last repetition" if reps and len(got) >= reps else f"in repetition {len(got) + 1}{of}"
+
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as err,
+    ):
         # Its own session, so that a timeout can kill the worker with anything it started.
         proc = subprocess.Popen(
-            list(cmd), stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
+            list(cmd), stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
+        reader = _LineReader(out)
+        last = start
         try:
-            stdout, _ = proc.communicate(timeout=timeout_s)
-        except BaseException as e:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            if not isinstance(e, subprocess.TimeoutExpired):
-                raise
-            err.seek(0)
-            return RunOutcome(
-                "timeout",
-                error=f"timed out after {timeout_s:g} s\n{_tail(err.read())}".rstrip(),
-                wall_s=time.perf_counter() - start,
-            )
+            while True:
+                try:
+                    proc.wait(timeout=POLL_S)
+                    done = True
+                except subprocess.TimeoutExpired:
+                    done = False
+                for line in reader.new_lines(final=done):
+                    rep = parse_rep(line)
+                    if rep is None:
+                        continue
+                    last = time.perf_counter()
+                    first = last - start if first is None else first
+                    got.append(rep)
+                    if on_rep is not None:
+                        on_rep(rep)
+                if done:
+                    break
+                if time.perf_counter() - last > timeout_s:
+                    what = where()
+                    if not got:
+                        what += " (its time counts the start, the load and the warm-up)"
+                    killed = f"timed out after {timeout_s:g} s {what}"
+                elif deadline is not None and time.monotonic() >= deadline:
+                    killed = "budget"
+                if killed:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    for line in reader.new_lines(final=True):  # what it printed before the kill
+                        if (rep := parse_rep(line)) is not None:
+                            got.append(rep)
+                            if on_rep is not None:
+                                on_rep(rep)
+                    break
+        except BaseException:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
         err.seek(0)
         stderr = err.read()
     wall = time.perf_counter() - start
+    done_note = f", after {len(got)}{of} repetitions" if got else ""
+    if killed == "budget":
+        return RunOutcome("budget", error=f"killed at the budget's end{done_note}", wall_s=wall, reps=got)
+    if killed:
+        error = f"{killed}{done_note}\n{_tail(stderr)}".rstrip()
+        return RunOutcome("timeout", error=error, wall_s=wall, reps=got, first_rep_s=first)
+    stdout = "\n".join(reader.text)
     if proc.returncode != 0:
         status = "peer missing" if peer and proc.returncode == EXIT_PEER_MISSING else "failed"
         how = f"exit status {proc.returncode}"
         if proc.returncode < 0:
             how = f"killed by signal {signal.Signals(-proc.returncode).name}"
-        return RunOutcome(status, error=f"{how}\n{_tail(stderr)}".rstrip(), wall_s=wall)
+        if got:
+            how += f" {where()}{done_note}"
+        return RunOutcome(status, error=f"{how}\n{_tail(stderr)}".rstrip(), wall_s=wall, reps=got, first_rep_s=first)
     try:
         result = parse_result(stdout)
     except json.JSONDecodeError as e:
-        return RunOutcome("failed", error=f"unreadable result line: {e}\n{_tail(stderr)}", wall_s=wall)
+        error = f"unreadable result line: {e}\n{_tail(stderr)}"
+        return RunOutcome("failed", error=error, wall_s=wall, reps=got, first_rep_s=first)
     if result is None:
-        return RunOutcome("failed", error=f"exit status 0 but no result line\n{_tail(stdout + stderr)}", wall_s=wall)
-    return RunOutcome("ok", result=result, wall_s=wall)
+        error = f"exit status 0 but no result line\n{_tail(stdout + chr(10) + stderr)}".rstrip()
+        return RunOutcome("failed", error=error, wall_s=wall, reps=got, first_rep_s=first)
+    return RunOutcome("ok", result=result, wall_s=wall, reps=got, first_rep_s=first)
+
+
+def split_result(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole-run result (pp_s and tg_s lists over the repetitions) as one result per repetition."""
+    n = len(result.get("tg_s", []))
+    out = []
+    for k in range(n):
+        one = {**result, "pp_s": {pp: [v[k]] for pp, v in result["pp_s"].items()}, "tg_s": [result["tg_s"][k]]}
+        out.append(one)
+    return out
+
+
+# Process-wide figures of the result line: they cover the whole process, the repetitions' only their part.
+_PEAKS = ("vram", "peak_rss_bytes", "torch_peak_bytes")
 
 
 @dataclass
@@ -137,11 +255,14 @@ class Comparison:
     command: str = ""
     llama: dict[int, dict[str, Any] | str] = field(default_factory=dict)  # placement -> params or why not
     _start: float = 0.0
+    _first_rep_s: dict[str, float] = field(default_factory=dict)  # engine -> start to first repetition, last seen
 
-    def _cmd(self, engine: str, i: int, rep: int) -> list[str] | None:
+    def _cmd(self, engine: str, i: int, deadline: float | None = None) -> list[str] | None:
         s = self.settings
         common = ["-t", str(s.threads), "-c", str(s.n_ctx), "-b", str(s.n_batch), "--cache-type", s.cache_type]
-        common += ["--pp", ",".join(map(str, s.pp)), "--tg", str(s.tg), "--reps", "1", "--seed", str(rep)]
+        common += ["--pp", ",".join(map(str, s.pp)), "--tg", str(s.tg), "--reps", str(s.reps), "--seed", "0"]
+        if deadline is not None:
+            common += ["--deadline", f"{deadline:.3f}"]
         if engine == "tandem":
             dtype = ["--dtype", s.dtype] if s.dtype else []  # tandem's GPU compute type; llama.cpp has its own
             worker = [sys.executable, "-m", "tandem.bench.worker"]
@@ -164,56 +285,96 @@ class Comparison:
                 rows[(engine, i)] = report.add_row(engine, i, params)
                 if isinstance(params, str):
                     rows[(engine, i)].fail("failed", f"no llama.cpp translation: {params}")
-        order = [(rep, i, e) for rep in range(s.reps) for i in range(len(self.placements)) for e in self.engines]
+        order = [(i, e) for i in range(len(self.placements)) for e in self.engines]
         self._start = time.monotonic()
         interrupted: str | None = None
         with _sigterm_raises():
             try:
-                for n, (rep, i, engine) in enumerate(order, 1):
+                for n, (i, engine) in enumerate(order, 1):
                     row = rows[(engine, i)]
                     if row.status != "ok":
-                        continue  # failed before: the remaining repetitions would fail the same way
-                    print(f"[{n}/{len(order)}] {engine} {row.placement.label} rep {rep + 1}/{s.reps} ...", file=log)
-                    status = self._run_one(row, rep)
+                        continue  # failed before it could start (no translation, peer missing)
+                    print(f"[{n}/{len(order)}] {engine} {row.placement.label}, {s.reps} reps ...", file=log, flush=True)
+                    later = [rows[(e, j)] for j, e in order[n:]]
+                    status = self._run_row(report, row, later, log)
                     print(f"    {status}", file=log, flush=True)
                     if row.status == "peer missing":  # then it is missing for every placement
                         for j in range(len(self.placements)):
                             if rows[("llamacpp", j)].status == "ok" and not rows[("llamacpp", j)].runs:
                                 rows[("llamacpp", j)].fail("peer missing", row.error)
-                    if self.report_dir is not None:
-                        write_report(report, self.report_dir, png=False)
+                    self._write(report, png=False)
             except (_Interrupted, KeyboardInterrupt) as e:
                 interrupted = str(e) or "interrupted"
         for row in rows.values():
             if row.status == "ok" and row.reps_done < s.reps:
                 _stop(row, s.reps, interrupted or "not run")
         report.finish()
-        if self.report_dir is not None:
-            write_report(report, self.report_dir, png=True)
+        self._write(report, png=True)
         return report
 
-    def _run_one(self, row: Row, rep: int) -> str:
-        """One worker run for `row`, within --timeout and what is left of --budget; returns a progress note."""
+    def _write(self, report: Report, png: bool) -> None:
+        if self.report_dir is not None:
+            write_report(report, self.report_dir, png=png)
+
+    def _run_row(self, report: Report, row: Row, later: list[Row], log: Any) -> str:
+        """The worker process for `row`, within --timeout and what is left of --budget; returns a progress note."""
         s = self.settings
-        timeout = s.timeout_s
+        hard: float | None = None
+        soft: float | None = None
         if s.budget_s is not None:
             left = s.budget_s - (time.monotonic() - self._start)
-            # Do not start a run that cannot finish: one that took longer before would only be cut.
-            if left <= max(1.0, min(row.walls, default=0.0)):
+            if left <= MIN_START_S:
                 _stop(row, s.reps, f"the time budget (--budget {s.budget_s:g} s) was spent")
                 return f"skipped: {left:.0f} s of the budget left"
-            timeout = min(timeout, left)
-        cmd = self._cmd(row.engine, row.index, rep)
+            hard = self._start + s.budget_s
+            # Leave the rows after this one the time of their first repetition, as far as it is known.
+            reserve = sum(self._first_rep_s.get(r.engine, 0.0) for r in later if r.status == "ok")
+            soft = time.time() + max(0.0, left - reserve)
+        cmd = self._cmd(row.engine, row.index, deadline=soft)
         assert cmd is not None
         # ggml answers a failed assertion with a gdb backtrace that would fill the error's tail: keep the message.
-        env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
-        outcome = run_worker(cmd, timeout, env=env, peer=row.engine == "llamacpp")
-        if outcome.status == "timeout" and timeout < s.timeout_s:
-            _stop(row, s.reps, f"the time budget (--budget {s.budget_s:g} s) ran out during a run")
+        # Triton's autotuning results go to its disk cache, so only the first process of a machine pays them.
+        env = {"TRITON_CACHE_AUTOTUNING": "1", **os.environ, "GGML_NO_BACKTRACE": "1"}
+        t0 = time.perf_counter()
+
+        def on_rep(rep: dict[str, Any]) -> None:
+            row.runs.append(rep)
+            try:  # the progress line is a courtesy: a malformed figure must not stop the run
+                speeds = [f"pp{k} {int(k) / v[0]:.1f}" for k, v in rep["pp_s"].items()]
+                speeds.append(f"tg{s.tg} {s.tg / rep['tg_s'][0]:.1f} tok/s")
+                note = ", ".join(speeds)
+            except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as e:
+                note = f"(no speeds: {type(e).__name__})"
+            t = time.perf_counter() - t0
+            print(f"    rep {row.reps_done}/{s.reps}: {note} ({t:.1f} s in)", file=log, flush=True)
+            self._write(report, png=False)
+
+        peer = row.engine == "llamacpp"
+        outcome = run_worker(cmd, s.timeout_s, env=env, peer=peer, deadline=hard, on_rep=on_rep, reps=s.reps)
+        row.walls.append(outcome.wall_s)
+        if outcome.first_rep_s is not None:  # the latest: the first process of a machine also compiles kernels
+            self._first_rep_s[row.engine] = outcome.first_rep_s
+        budget = f"the time budget (--budget {s.budget_s:g} s)" if s.budget_s is not None else "the worker's deadline"
+        if outcome.status == "ok":
+            assert outcome.result is not None
+            if not row.runs:  # a worker that printed only the result line
+                row.runs.extend(split_result(outcome.result))
+            elif all(k in outcome.result for k in _PEAKS):
+                row.runs[-1].update({k: outcome.result[k] for k in _PEAKS})
+            if row.reps_done < s.reps:
+                _stop(row, s.reps, f"{budget} left no time for more")
+        elif outcome.status == "budget":
+            _stop(row, s.reps, f"{budget} ran out during a run")
         else:
-            row.add(outcome.status, outcome.result, outcome.error)
-            row.walls.append(outcome.wall_s)
-        return f"{outcome.status} ({outcome.wall_s:.1f} s)"
+            row.fail(outcome.status, outcome.error)
+        load = row.runs[0].get("load_s") if row.runs else None
+        warm = row.runs[0].get("warmup_s") if row.runs else None
+        parts = [f"{outcome.wall_s:.1f} s"]
+        if load is not None:
+            parts.append(f"load {load:.1f} s")
+        if warm is not None:
+            parts.append(f"warm-up {warm:.1f} s")
+        return f"{outcome.status} ({', '.join(parts)}; {row.reps_done}/{s.reps} reps)"
 
 
 def _stop(row: Row, reps: int, why: str) -> None:

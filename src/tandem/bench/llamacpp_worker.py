@@ -1,4 +1,5 @@
-"""One llama.cpp benchmark run (through llama-cpp-python's C API) in its own process.
+"""One llama.cpp benchmark process for one placement (through llama-cpp-python's C API): load, warm up
+once, time every repetition, printing each repetition's result as it finishes (see worker.py).
 
     python src/tandem/bench/llamacpp_worker.py --lib DIR -m MODEL --placement JSON --pp 512,2048 --tg 128 ...
 
@@ -18,6 +19,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tg", type=int, default=64)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=None, help="time.time() after which no repetition starts")
     return p
 
 
@@ -122,7 +125,7 @@ class _Override(ctypes.Structure):
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Load with the translated placement, warm up, time `args.reps` repetitions."""
+    """Load with the translated placement, warm up once, time up to `args.reps` repetitions."""
     sampler = vram.VramSampler().start()
     llama_cpp = _import_llama(args.lib)  # before numpy, see the module docstring
     import numpy as np
@@ -188,30 +191,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return pp_s, tg_s
 
     pp_sizes = [int(v) for v in args.pp.split(",")]
+    clock = protocol.RepClock(args.deadline)
+    reps: list[tuple[dict[int, float], float]] = []
+    common = {
+        "engine": "llamacpp",
+        "load_s": load_s,
+        "threads": args.threads,
+        "weight_bytes": {name: int(mib * 2**20) for name, mib in log.buffer_sizes().items()},
+        "version": f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}",
+    }
     try:
+        t = time.perf_counter()
         one_rep(sorted({min(pp, args.batch_size) for pp in pp_sizes}), min(args.tg, 4), seed=-1)
-        reps = [one_rep(pp_sizes, args.tg, args.seed + r) for r in range(args.reps)]
+        common["warmup_s"] = time.perf_counter() - t
+        for r in range(args.reps):
+            if not clock.may_start(r):
+                break
+            protocol.maybe_inject("llamacpp", rep=r)
+            t = time.perf_counter()
+            pp_s, tg_s = one_rep(pp_sizes, args.tg, args.seed + r)
+            clock.last_s = time.perf_counter() - t
+            reps.append((pp_s, tg_s))
+            protocol.emit_rep(
+                {
+                    **common,
+                    "rep": r,
+                    "seed": args.seed + r,
+                    "pp_s": {str(pp): [pp_s[pp]] for pp in pp_sizes},
+                    "tg_s": [tg_s],
+                    "rep_wall_s": clock.last_s,
+                    "peak_rss_bytes": protocol.peak_rss_bytes(),
+                    "vram": sampler.reading.as_dict(),  # the peak so far
+                    "torch_peak_bytes": None,
+                }
+            )
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
     reading = sampler.stop()
     return {
-        "engine": "llamacpp",
+        **common,
         "ok": True,
-        "load_s": load_s,
-        "threads": args.threads,
+        "reps_done": len(reps),
+        "reps_asked": args.reps,
+        "stopped": None if len(reps) == args.reps else "deadline",
         "pp_s": {str(pp): [r[0][pp] for r in reps] for pp in pp_sizes},
         "tg_s": [r[1] for r in reps],
         "peak_rss_bytes": protocol.peak_rss_bytes(),
         "vram": reading.as_dict(),
         "torch_peak_bytes": None,
-        "weight_bytes": {name: int(mib * 2**20) for name, mib in log.buffer_sizes().items()},
-        "version": f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}",
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; the result goes to stdout as one marked JSON line."""
+    """Entry point; each repetition, then the whole run, goes to stdout as a marked JSON line."""
     protocol.maybe_inject("llamacpp")
     args = build_parser().parse_args(argv)
     protocol.emit_result(run(args))
@@ -219,4 +252,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Skip the interpreter's teardown (module GC, the CUDA context's orderly release): the OS frees the
+    # process's memory anyway, and the orchestrator waits for the exit before starting the next worker.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,7 +1,10 @@
 """The comparison report: rows of engine x placement, written as report.json, report.md and report.png.
 
-A row holds the raw worker results of its repetitions; speeds are tokens / median seconds over them,
-load time the median, peak memory the maximum. A row that failed keeps its status and the error's last lines.
+A row is one worker process (one engine x placement) and holds the results of its repetitions, one dict
+each, as the worker printed them; speeds are tokens / median seconds over them, load and warm-up time the
+median, peak memory the maximum. A row that failed keeps its status, the error's last lines and the
+repetitions measured before the failure (its speeds are theirs; the reps column says how many).
+report.png is drawn from report.json in a separate interpreter (plot.py says why and what the fallbacks are).
 """
 
 from __future__ import annotations
@@ -31,19 +34,12 @@ class Row:
     llama: dict[str, Any] | str | None = None  # the translated llama.cpp placement (peer rows)
     status: str = "ok"  # ok, failed, timeout, peer missing, partial (cut short), not run
     error: str | None = None
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    walls: list[float] = field(default_factory=list)  # seconds each worker run took, start to exit
+    runs: list[dict[str, Any]] = field(default_factory=list)  # one per repetition
+    walls: list[float] = field(default_factory=list)  # seconds each worker process took, start to exit
 
     @property
     def reps_done(self) -> int:
         return len(self.runs)
-
-    def add(self, status: str, result: dict[str, Any] | None, error: str | None) -> None:
-        """Record one worker run."""
-        if status == "ok" and result is not None:
-            self.runs.append(result)
-        else:
-            self.fail(status, error)
 
     def fail(self, status: str, error: str | None) -> None:
         self.status = status
@@ -64,6 +60,7 @@ class Row:
             "pp_tok_s": pp,
             "tg_tok_s": tg / statistics.median(tg_samples) if tg_samples else None,
             "load_s": statistics.median(r["load_s"] for r in runs) if runs else None,
+            "warmup_s": statistics.median(w) if (w := [r["warmup_s"] for r in runs if "warmup_s" in r]) else None,
             "peak_rss_bytes": max((r["peak_rss_bytes"] for r in runs), default=None),
             "vram_used_bytes": max(vram_used, default=None),
             "vram_torch_peak_bytes": max(torch_peak, default=None),
@@ -187,12 +184,14 @@ class Report:
             "rows": [
                 {
                     "engine": r.engine,
+                    "placement_index": r.index,
                     "placement": r.placement.label,
                     "placement_flags": r.placement.argv(),
                     "llama_placement": r.llama,
                     "status": r.status,
                     "error": r.error,
                     "reps_done": r.reps_done,
+                    "process_wall_s": r.walls,
                     **r.metrics(s.pp, s.tg),
                     "ratio_tandem_over_llamacpp": self.ratios(r.index) if r.engine == "tandem" else None,
                     "versions": sorted({str(run.get("version")) for run in r.runs}),
@@ -227,23 +226,18 @@ def render_markdown(report: Report) -> str:
         f"- CPU: {report.machine['cpu']} ({report.machine['logical_cpus']} logical CPUs), "
         f"GPU: {gpu or 'no GPU'}; threads {s.threads}, n_ctx {s.n_ctx}, n_batch {s.n_batch}, "
         f"KV cache {s.cache_type}",
-        f"- pp {', '.join(map(str, s.pp))} / tg {s.tg}, {s.reps} repetitions each (median), "
-        "one worker process per engine x placement x repetition, engines alternating",
+        f"- pp {', '.join(map(str, s.pp))} / tg {s.tg}, {s.reps} repetitions each (median of those done: the "
+        "reps column), one worker process per engine x placement (load, one warm-up, then the repetitions), "
+        "engines alternating",
         f"- load average at the start {_loadavg(report.machine.get('loadavg_start'))}, "
         f"at the end {_loadavg(report.machine.get('loadavg_end'))} (other work on the CPUs skews the figures)",
         "",
     ]
-    head = ["engine", "placement", "status"] + [f"pp{n} tok/s" for n in s.pp]
-    head += [f"tg{s.tg} tok/s", "peak VRAM MiB", "peak RSS MiB", "load s", "tandem/llama.cpp"]
+    head = ["engine", "placement", "status", "reps"] + [f"pp{n} tok/s" for n in s.pp]
+    head += [f"tg{s.tg} tok/s", "peak VRAM MiB", "peak RSS MiB", "load / warm-up s", "tandem/llama.cpp"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report.rows:
         m = r.metrics(s.pp, s.tg)
-        if r.status == "ok" and r.reps_done < s.reps:
-            status = f"ok ({r.reps_done}/{s.reps} reps)"
-        elif r.status != "ok":
-            status = r.status + (f" ({r.reps_done}/{s.reps} reps)" if r.reps_done else "")
-        else:
-            status = "ok"
         if m["vram_used_bytes"] is not None:
             vram = _mib(m["vram_used_bytes"])
             if m["vram_torch_peak_bytes"] is not None:
@@ -254,18 +248,21 @@ def render_markdown(report: Report) -> str:
         if r.engine == "tandem" and "llamacpp" in report.engines:
             parts = [f"{k} {v:.2f}×" for k, v in report.ratios(r.index).items() if v is not None]
             ratio = ", ".join(parts) or "—"
-        cells = [ENGINE_NAMES.get(r.engine, r.engine), f"`{r.placement.label}`", status]
+        cells = [ENGINE_NAMES.get(r.engine, r.engine), f"`{r.placement.label}`", r.status, f"{r.reps_done}/{s.reps}"]
         cells += [_num(m["pp_tok_s"][str(n)]) for n in s.pp]
-        cells += [_num(m["tg_tok_s"]), vram, _mib(m["peak_rss_bytes"]), _num(m["load_s"], "{:.2f}"), ratio]
+        load = f"{_num(m['load_s'], '{:.2f}')} / {_num(m['warmup_s'], '{:.2f}')}"
+        cells += [_num(m["tg_tok_s"]), vram, _mib(m["peak_rss_bytes"]), load, ratio]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Speeds are tokens / median seconds. Ratios are tandem's speed over llama.cpp's (> 1: tandem faster). "
+        "Speeds are tokens / median seconds over the repetitions done. Ratios are tandem's speed over llama.cpp's "
+        "(> 1: tandem faster). "
         "pp: prefill of that many random token ids into an empty KV cache; tg: greedy decode steps right "
         f"after the pp{s.pp[0]} prefill. Peak VRAM: the driver's used memory (NVML or nvidia-smi, sampled "
         "every 50-200 ms) at its peak minus before loading, and for tandem torch's max_memory_allocated; "
         + ("no GPU on this machine, so no VRAM figures. " if gpu is None else "")
-        + "Peak RSS: the worker process's ru_maxrss (mmapped weights count as they are touched).",
+        + "Peak RSS: the worker process's ru_maxrss (mmapped weights count as they are touched). "
+        "Load: opening the model to ready; warm-up: the one untimed prefill and decode before the repetitions.",
     ]
     translated = [r for r in report.rows if r.engine == "llamacpp" and isinstance(r.llama, dict)]
     if translated:
@@ -289,7 +286,7 @@ def render_markdown(report: Report) -> str:
             lines += [f"**{ENGINE_NAMES.get(r.engine, r.engine)} `{r.placement.label}`: {r.status}**", ""]
             lines += ["```", (r.error or "(no message)").strip(), "```", ""]
     if not report.finished:
-        lines += ["", "_In progress: this report is rewritten after every run._"]
+        lines += ["", "_In progress: this report is rewritten after every repetition._"]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -302,11 +299,12 @@ def write_report(report: Report, directory: Path, png: bool = True) -> None:
         try:
             from tandem.bench.plot import render_png
 
-            render_png(report, directory / "report.png")
+            note = render_png(directory / "report.json", directory / "report.png")
         except Exception as e:  # the chart is a convenience: a broken matplotlib must not cost the report
             first_line = (str(e).strip().splitlines() or [""])[0]
-            note = f"\n_report.png was not drawn: {type(e).__name__}: {first_line}_\n"
-            _atomic_write(directory / "report.md", render_markdown(report) + note)
+            note = f"report.png was not drawn: {type(e).__name__}: {first_line}"
+        if note:
+            _atomic_write(directory / "report.md", render_markdown(report) + f"\n_{note}_\n")
 
 
 def _atomic_write(path: Path, text: str) -> None:

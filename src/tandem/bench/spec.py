@@ -143,8 +143,8 @@ class BenchSettings:
     n_ctx: int
     n_batch: int
     cache_type: str = "f16"
-    timeout_s: float = 1800.0
-    budget_s: float | None = None
+    timeout_s: float = 1800.0  # per repetition; the first also counts start, load, warm-up (compare.py)
+    budget_s: float | None = None  # all the worker processes together
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
 
     def validate(self) -> None:

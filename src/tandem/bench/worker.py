@@ -1,24 +1,31 @@
-"""One tandem benchmark run in its own process: load, warm up, time, print one JSON result line.
+"""One tandem benchmark process for one placement: load, warm up once, time every repetition.
 
-    python -m tandem.bench.worker -m MODEL [placement flags] --pp 512,2048 --tg 128 --reps 1 -t 16 --seed 0
+    python -m tandem.bench.worker -m MODEL [placement flags] --pp 512,2048 --tg 128 --reps 3 -t 16 --seed 0
 
-The orchestrator (compare.py) starts one of these per engine x placement x repetition, so a crash or a
-hang costs one row, not the report. Timing protocol, the same as llamacpp_worker.py's:
-  warm-up   one prefill of min(pp, n_batch) tokens for each --pp size, then 4 decode steps (untimed);
-  pp        per --pp size: clear the KV cache, prefill `pp` random token ids (protocol.prompt_ids);
+The orchestrator (compare.py) starts one of these per engine x placement; it runs all the repetitions, so
+the load and the warm-up (Triton's compiles and autotuning, CUDA graphs, weights paged in) are paid once.
+Timing protocol, the same as llamacpp_worker.py's:
+  warm-up   once per process: one prefill of min(pp, n_batch) tokens for each --pp size, then 4 decode
+            steps (untimed);
+  pp        per repetition r and --pp size: clear the KV cache, prefill `pp` random token ids
+            (protocol.prompt_ids, seed + r);
   tg        right after the first --pp prefill, `tg` greedy decode steps (depth = first pp size).
+Each repetition's result is printed (protocol.REP_MARKER) as soon as it is measured, the whole run's at
+the end (protocol.RESULT_MARKER). --deadline (a time.time() value, from the orchestrator's --budget) stops
+it starting a repetition that would end past it, after the first.
 Exit status 0 with a result line, else non-zero with the error on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.bench.protocol import emit_result, maybe_inject, peak_rss_bytes, prompt_ids
+from tandem.bench.protocol import RepClock, emit_rep, emit_result, maybe_inject, peak_rss_bytes, prompt_ids
 from tandem.cli.main import int_list
 
 
@@ -32,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tg", type=int, default=64, help="decode steps")
     p.add_argument("--reps", type=int, default=1, help="timed repetitions in this process")
     p.add_argument("--seed", type=int, default=0, help="first prompt seed (repetition r uses seed + r)")
+    p.add_argument("--deadline", type=float, default=None, help="time.time() after which no repetition starts")
     return p
 
 
@@ -59,7 +67,7 @@ def _time_rep(llm: Any, pp_sizes: Sequence[int], tg: int, seed: int, sync: Any) 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Load the model with the placement flags, warm up, time `args.reps` repetitions."""
+    """Load the model with the placement flags, warm up once, time up to `args.reps` repetitions."""
     from tandem.bench.vram import VramSampler
 
     sampler = VramSampler().start()  # baseline before anything touches the GPU
@@ -88,34 +96,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if on_gpu:
             torch.cuda.synchronize()
 
+    def torch_peak() -> int | None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())))
+        return None
+
     sync()
     load_s = time.perf_counter() - start
+    clock = RepClock(args.deadline)
+    reps: list[tuple[dict[int, float], float]] = []
     try:
-        warm = sorted({min(pp, args.batch_size) for pp in args.pp})
-        _time_rep(llm, warm, min(args.tg, 4), seed=-1, sync=sync)
-        reps = [_time_rep(llm, args.pp, args.tg, args.seed + r, sync) for r in range(args.reps)]
-        n_threads = llm.threads
         # Where the weights are once loaded (the loader's own account when it gives one), else the plan.
         summary = getattr(llm, "placement_summary", None)
         weight_bytes = dict(summary() if callable(summary) else llm.plan.weight_bytes)
+        n_threads = llm.threads
+        start = time.perf_counter()
+        warm = sorted({min(pp, args.batch_size) for pp in args.pp})
+        _time_rep(llm, warm, min(args.tg, 4), seed=-1, sync=sync)
+        warmup_s = time.perf_counter() - start
+        common = {"engine": "tandem", "load_s": load_s, "warmup_s": warmup_s, "threads": n_threads}
+        common |= {"weight_bytes": weight_bytes, "version": _version()}
+        for r in range(args.reps):
+            if not clock.may_start(r):
+                break
+            maybe_inject("tandem", rep=r)
+            start = time.perf_counter()
+            pp_s, tg_s = _time_rep(llm, args.pp, args.tg, args.seed + r, sync)
+            clock.last_s = time.perf_counter() - start
+            reps.append((pp_s, tg_s))
+            emit_rep(
+                {
+                    **common,
+                    "rep": r,
+                    "seed": args.seed + r,
+                    "pp_s": {str(pp): [pp_s[pp]] for pp in args.pp},
+                    "tg_s": [tg_s],
+                    "rep_wall_s": clock.last_s,
+                    "peak_rss_bytes": peak_rss_bytes(),
+                    "vram": sampler.reading.as_dict(),  # the peak so far
+                    "torch_peak_bytes": torch_peak(),
+                }
+            )
     finally:
         llm.close()
     vram = sampler.stop()
-    torch_peak = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch_peak = int(max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())))
     return {
-        "engine": "tandem",
+        **common,
         "ok": True,
-        "load_s": load_s,
-        "threads": n_threads,
+        "reps_done": len(reps),
+        "reps_asked": args.reps,
+        "stopped": None if len(reps) == args.reps else "deadline",
         "pp_s": {str(pp): [r[0][pp] for r in reps] for pp in args.pp},
         "tg_s": [r[1] for r in reps],
         "peak_rss_bytes": peak_rss_bytes(),
         "vram": vram.as_dict(),
-        "torch_peak_bytes": torch_peak,
-        "weight_bytes": weight_bytes,
-        "version": _version(),
+        "torch_peak_bytes": torch_peak(),
     }
 
 
@@ -126,7 +161,7 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; the result goes to stdout as one marked JSON line."""
+    """Entry point; each repetition, then the whole run, goes to stdout as a marked JSON line."""
     maybe_inject("tandem")
     args = build_parser().parse_args(argv)
     emit_result(run(args))
@@ -134,4 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Skip the interpreter's teardown (module GC, the CUDA context's orderly release): the OS frees the
+    # process's memory anyway, and the orchestrator waits for the exit before starting the next worker.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

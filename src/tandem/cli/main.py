@@ -78,7 +78,10 @@ def _add_compare_flags(p: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="placements to run, e.g. all,cpu-moe,n-cpu-moe=half (default: the placement flags given)",
     )
-    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="per worker run (default 1800)")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, metavar="S",
+        help="per repetition; the first also covers load and warm-up (default 1800)",
+    )  # fmt: skip
     p.add_argument("--budget", type=float, default=None, metavar="S", help="start no run after S seconds in all")
     p.add_argument(
         "--peer-lib",
