@@ -117,7 +117,7 @@ fi
 
 if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
   say "pytest -m gpu"
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py >"$OUT/pytest_gpu.log" 2>&1
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py tests/test_gpu_offload.py >"$OUT/pytest_gpu.log" 2>&1
   say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
   grep -E "relative L2|^FAILED" "$OUT/pytest_gpu.log" | head -20
 fi
