@@ -31,7 +31,7 @@
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; log in $OUT/pytest_gpu.log)
 #   PREWARM=1 (default; 0: off) one untimed `tandem bench --tg 4 --reps 1` per synthesised model while the
 #     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
-#   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
+#   LLAMA_JOBS=12 (the llama.cpp build's parallel jobs)  LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
 t0=$(date +%s)
@@ -70,7 +70,7 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   mkdir -p "$PEER_LIB"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$PEER_LIB" .whl/diskcache-*.whl
   say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
-  TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS=12 \
+  TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-12}" \
     SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB" \
     >/tmp/llama_build.log 2>&1 &
   llama_pid=$!

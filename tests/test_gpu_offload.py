@@ -124,21 +124,23 @@ def test_streamed_experts_equal_resident(qtype: gguf.GGMLQuantizationType, slot_
     reg.close()
 
 
-def test_streamed_experts_are_read_from_page_locked_file_memory(tiny_qwen3moe_gguf) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_experts_are_read_from_page_locked_file_memory(tiny_qwen3moe_gguf, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """With experts in host RAM, prefill streams them from the file mapping page-locked in place (DMA at PCIe
-    speed); the registration lives as long as the model, not just the loader."""
+    speed); the registration lives as long as the model, not just the loader. Q8_0 experts: a type the GPU
+    kernels read, so they stream (F32 experts would prefill on the CPU)."""
     import gc
 
     import tandem
+    from tandem.convert import convert_hf
     from tandem.runtime.offload import OffloadedExperts
 
-    with tandem.LLM(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True, n_ctx=128) as llm:
+    path = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "tiny-q8_0.gguf", "q8_0")
+    with tandem.LLM(path, device="cuda", cpu_moe=True, n_ctx=128) as llm:
         gc.collect()
         assert not any("bounce" in n for n in llm.notices), llm.notices
-        offloaded = [
-            b.ffn.experts for b in llm.model.blocks if isinstance(getattr(b.ffn, "experts", None), OffloadedExperts)
-        ]
-        assert offloaded
+        experts = [getattr(b.ffn, "experts", None) for b in llm.model.blocks]
+        offloaded = [e for e in experts if isinstance(e, OffloadedExperts)]
+        assert offloaded and all(e.streamed is not None for e in offloaded)
         stream = offloaded[0].streamed.gate.weight.stream  # type: ignore[union-attr]
         assert stream.source_pin is not None
         llm.generate_ids(list(range(5, 45)), max_tokens=2, temperature=0)  # streams through the window

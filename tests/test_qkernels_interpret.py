@@ -54,3 +54,101 @@ def test_selected_experts(qtype: gguf.GGMLQuantizationType) -> None:
             xs = x.double()[:, None, :].expand(t, a, k) if x.dim() == 2 else x.double()
             ref = torch.einsum("tak,tank->tan", xs, ref_w[ids])
             assert _rel(qmatmul_id(x, w, ids, ieee=True), ref) < REL_TOL, (t, a, x.dim())
+
+
+class _ChunkStream:
+    """A stand-in for runtime/offload.py's ExpertStream: chunks of `per_chunk` experts, copied, that hold
+    routed experts (trimmed to the first and last routed one, as ExpertStream does)."""
+
+    def __init__(self, per_chunk: int) -> None:
+        self.per_chunk = per_chunk
+        self.seen: list[tuple[int, int]] = []
+
+    def chunks(self, w: GPUQuantWeight, tiles_per_expert: list[int]):
+        assert all(isinstance(c, int) for c in tiles_per_expert)
+        for e0 in range(0, w.shape[0], self.per_chunk):
+            used = [e for e in range(e0, min(e0 + self.per_chunk, w.shape[0])) if tiles_per_expert[e]]
+            if used:
+                c0, c1 = used[0], used[-1] + 1
+                self.seen.append((c0, c1))
+                data = w.data[c0 * w.expert_bytes : c1 * w.expert_bytes].clone()
+                yield c0, c1, GPUQuantWeight(data, w.qtype, (c1 - c0, *w.shape[1:]))
+
+
+def _skewed_ids(t: int, a: int, pool: list[int], heavy: int, seed: int) -> torch.Tensor:
+    """ids [T, A] from `pool` (distinct per token), expert `heavy` in every token's first slot."""
+    g = torch.Generator().manual_seed(seed)
+    rest = [e for e in pool if e != heavy]
+    picks = [[heavy] + [rest[i] for i in torch.randperm(len(rest), generator=g)[: a - 1].tolist()] for _ in range(t)]
+    ids = torch.tensor(picks)
+    return ids[:, torch.randperm(a, generator=g)]  # the heavy expert in any slot
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_grouped_experts(qtype: gguf.GGMLQuantizationType) -> None:
+    """The grouped GEMM over blocks: K no multiple of 256 (32-blocks), N no multiple of BN, unused experts,
+    an expert with more slots than a tile, x shared or per slot, exact f32 and bf16 products, and chunks of
+    streamed experts equal to the resident product."""
+    from tandem.cuda.qlinear import _tile_rows
+
+    rng = np.random.default_rng(200 + int(qtype))
+    e, n, k = 6, 40, 512 + (32 if qtype in TYPES[:3] else 0)
+    raw = random_blocks(qtype, (e, n, k), rng)
+    ref_w = torch.from_numpy(np.stack([gguf.quants.dequantize(raw[i], qtype) for i in range(e)])).double()
+    w = GPUQuantWeight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (e, n, k))
+    t, a = 40, 2
+    ids = _skewed_ids(t, a, pool=[0, 2, 3, 5], heavy=3, seed=int(qtype))  # experts 1 and 4 unused
+    assert (ids == 3).sum() > _tile_rows(t * a, e)  # expert 3 spans two tiles
+    stream = _ChunkStream(per_chunk=2)
+    streamed = GPUQuantWeight(w.data, qtype, (e, n, k), stream=stream)
+    for x in (torch.randn(t, k), torch.randn(t, a, k)):
+        xs = x.double()[:, None, :].expand(t, a, k) if x.dim() == 2 else x.double()
+        ref = torch.einsum("tak,tank->tan", xs, ref_w[ids])
+        for ieee, tol in ((True, REL_TOL), (False, 1e-2)):
+            y = qmatmul_id(x, w, ids, ieee=ieee)
+            assert y.shape == (t, a, n) and y.dtype == x.dtype
+            assert _rel(y, ref) < tol, (x.dim(), ieee)
+            if x.dim() == 2:  # the streamed path: one launch per chunk of experts, the same tiles
+                assert torch.equal(qmatmul_id(x, streamed, ids, ieee=ieee), y), ieee
+    assert stream.seen[:3] == [(0, 1), (2, 4), (5, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_align_slots_invariants(dtype: torch.dtype) -> None:
+    from tandem.cuda.qlinear import _align_slots, _max_tiles, _tile_rows
+
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        (torch.randint(0, 5, (70,), generator=g), 5, 16),  # several tiles per expert
+        (torch.tensor([3, 3, 3, 0, 7, 3, 0, 3] * 5), 9, 16),  # unused experts, one over a tile
+        (torch.arange(33) % 11, 11, 16),  # every expert 3 slots
+        (torch.arange(20), 20, 16),  # one slot per expert: the bound is reached
+        (torch.full((17,), 2), 4, 16),  # a single expert, 17 = one tile + 1
+        (torch.randint(0, 40, (200,), generator=g), 40, _tile_rows(200, 40)),  # 32 rows a tile
+    ]
+    for flat, n_exp, tile in cases:
+        flat = flat.to(dtype)
+        r = flat.numel()
+        tile_expert, slots, tiles = _align_slots(flat, n_exp, tile)
+        n_max = _max_tiles(r, n_exp, tile)
+        assert tile_expert.shape == (n_max,) and slots.shape == (n_max * tile,) and tiles.shape == (n_exp,)
+        assert tile_expert.dtype == slots.dtype == tiles.dtype == torch.int32
+        counts = torch.bincount(flat.long(), minlength=n_exp)
+        want_tiles = (counts + tile - 1) // tile
+        assert torch.equal(tiles.long(), want_tiles)
+        n_used = int(want_tiles.sum())
+        assert n_used <= n_max
+        # used tiles first, in expert order, each expert's count of tiles; then unused tiles (-1, no slots)
+        want_expert = torch.repeat_interleave(torch.arange(n_exp), want_tiles)
+        assert torch.equal(tile_expert[:n_used].long(), want_expert)
+        assert (tile_expert[n_used:] == -1).all() and (slots[n_used * tile :] == -1).all()
+        rows = slots[: n_used * tile].view(n_used, tile).long()
+        live = rows >= 0
+        assert torch.equal(torch.sort(rows[live]).values, torch.arange(r))  # every slot exactly once
+        assert (flat.long()[rows[live]] == tile_expert[:n_used, None].long().expand_as(rows)[live]).all()
+        for ex in range(n_exp):  # an expert's slots in order, padding only at the end of its last tile
+            mine = rows[tile_expert[:n_used] == ex].reshape(-1)
+            c = int(counts[ex])
+            assert torch.equal(mine[:c], (flat.long() == ex).nonzero().view(-1)) and (mine[c:] == -1).all()
+    assert _max_tiles(20, 20, 16) == 20 and _max_tiles(4096, 128, 64) == 4096 // 64 + 126
+    assert [_tile_rows(r, 128) for r in (40, 512, 2048, 4096, 32768)] == [16, 16, 32, 64, 64]

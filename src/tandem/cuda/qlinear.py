@@ -1,8 +1,9 @@
 """Products with GGUF weights kept as blocks in GPU memory.
 
-Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM. Prefill (many rows):
-the blocks are dequantized into a transient float workspace and multiplied by a dense GEMM (cuBLAS,
-or a grouped Triton GEMM for experts), so the arithmetic runs on tensor cores.
+Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM. Prefill (many rows): a
+dense weight is dequantized into a transient float workspace and multiplied by cuBLAS; selected experts
+run `_grouped_qmm`, a grouped GEMM that dequantizes the blocks tile by tile in registers, over slots
+grouped by expert on the GPU (`_align_slots`): one launch per product and no host sync for experts in VRAM.
 
 Shapes: M = activation rows, N = output features, K = input features, E = experts, T = tokens,
 A = active experts per token, R = T * A expert slots.
@@ -10,7 +11,10 @@ A = active experts per token, R = T * A expert slots.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import Protocol
 
 import torch
 import triton
@@ -22,16 +26,33 @@ from tandem.quant.types import GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES
 
 QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
 DEQUANT_BN = 16
-GMM_BM, GMM_BN, GMM_BK = 64, 64, 64
+GQMM_MIN_BM, GQMM_MAX_BM = 16, 64  # slots per tile of the grouped expert GEMM (tl.dot needs >= 16)
+
+
+class BlockStream(Protocol):
+    """Brings the blocks of stacked experts kept in host RAM to the GPU, a chunk of experts at a time."""
+
+    def chunks(self, w: GPUQuantWeight, tiles_per_expert: Sequence[int]) -> Iterator[tuple[int, int, GPUQuantWeight]]:
+        """(first expert, end expert, their blocks on the GPU) for the chunks holding routed experts."""
+        ...
 
 
 @dataclass(eq=False)
 class GPUQuantWeight:
-    """A weight kept as its raw GGUF blocks in VRAM: [N, K] or stacked experts [E, N, K]."""
+    """A weight kept as its raw GGUF blocks: [N, K] or stacked experts [E, N, K]. The blocks are in VRAM,
+    or, with `stream`, in host RAM, and brought to the GPU chunk by chunk when used (prefill only)."""
 
-    data: torch.Tensor  # uint8 on a CUDA device (or CPU under Triton's interpreter)
+    data: torch.Tensor  # uint8 on a CUDA device (or CPU under Triton's interpreter, or host RAM with stream)
     qtype: Q
     shape: tuple[int, ...]
+    stream: BlockStream | None = None
+
+    def expert_chunks(self, tiles_per_expert: Sequence[int]) -> Iterator[tuple[int, int, GPUQuantWeight]]:
+        """The stacked experts as (first expert, end expert, blocks on the GPU) chunks."""
+        if self.stream is None:
+            yield 0, self.shape[0], self
+        else:
+            yield from self.stream.chunks(self, tiles_per_expert)
 
     @property
     def n_out(self) -> int:
@@ -92,56 +113,73 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
 def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool = False) -> torch.Tensor:
     """Selected experts: x [T, K] (shared by a token's experts) or [T, A, K]; ids [T, A] -> [T, A, N]."""
     t, a = ids.shape
-    k = w.n_in
+    k, n = w.n_in, w.n_out
     x_div = a if x.dim() == 2 else 1
     x2 = x.reshape(-1, k).contiguous()
-    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    flat = ids.reshape(-1).contiguous()  # int32 or int64: the kernels read either
     r = flat.numel()
-    y = torch.empty(r, w.n_out, dtype=x.dtype, device=x.device)
-    if r <= 2 * QMV_MAX_ROWS:
-        grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), r)  # noqa: E731
+    y = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    if r == 0:
+        return y.view(t, a, n)
+    if r <= 2 * QMV_MAX_ROWS and w.stream is None:
+        grid = lambda meta: (triton.cdiv(n, meta["BN"]), r)  # noqa: E731
         qk._qmv[grid](
-            w.data, x2, y, flat, w.n_out, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),
+            w.data, x2, y, flat, n, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),
             HAS_IDS=True, **_sub(w.qtype),
         )  # fmt: skip
-        return y.view(t, a, w.n_out)
-    n_experts, n = w.shape[0], w.n_out
-    tile_expert, slots = _align_slots(flat, n_experts, GMM_BM)
-    tiles_per_expert = torch.bincount(tile_expert.long(), minlength=n_experts).tolist()  # host sync (prefill)
-    dtype = torch.float32 if ieee else torch.bfloat16
-    per_chunk = max(1, GPU_DEQUANT_CHUNK_BYTES // (n * k * dtype.itemsize))
-    tile0 = 0
-    for e0 in range(0, n_experts, per_chunk):
-        n_tiles = sum(tiles_per_expert[e0 : e0 + per_chunk])
-        if n_tiles == 0:
-            continue
-        e1 = min(e0 + per_chunk, n_experts)
-        dense = dequantize_rows_gpu(w, e0 * n, (e1 - e0) * n, dtype)  # [(e1 - e0) * N, K]
-        grid = (triton.cdiv(n, GMM_BN), n_tiles)
-        qk._grouped_mm[grid](
-            dense, x2, y, tile_expert - e0, slots, tile0, r, n, k, x_div, x2.stride(0), y.stride(0),
-            IEEE=ieee, BM=GMM_BM, BN=GMM_BN, BK=GMM_BK,
+        return y.view(t, a, n)
+    n_experts = w.shape[0]
+    bm = _tile_rows(r, n_experts)
+    tile_expert, slots, tiles = _align_slots(flat, n_experts, bm)
+
+    def launch(blocks: GPUQuantWeight, tile0: int, e0: int, n_tiles: int) -> None:
+        grid = lambda meta: (triton.cdiv(n, meta["BN"]), n_tiles)  # noqa: E731
+        qk._grouped_qmm[grid](
+            blocks.data, x2, y, tile_expert, slots, tile0, e0, n, k, w.row_bytes, w.expert_bytes, x_div,
+            x2.stride(0), y.stride(0), IEEE=ieee, BM=bm, **_sub(w.qtype),
         )  # fmt: skip
-        tile0 += n_tiles
-    return y.view(t, a, w.n_out)
+
+    if w.stream is None:  # one launch over the tiles' upper bound; unused tiles return at once
+        launch(w, 0, 0, tile_expert.numel())
+        return y.view(t, a, n)
+    per_expert = tiles.tolist()  # host sync: the stream copies only the routed experts
+    tile_end = [0, *accumulate(per_expert)]
+    for c0, c1, blocks in w.expert_chunks(per_expert):  # experts [c0, c1) on the GPU, their tiles contiguous
+        if tile_end[c1] > tile_end[c0]:
+            launch(blocks, tile_end[c0], c0, tile_end[c1] - tile_end[c0])
+    return y.view(t, a, n)
 
 
-def _align_slots(flat_ids: torch.Tensor, n_experts: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group expert slots by expert into tiles of `tile` rows (the last tile of each padded with -1).
+def _tile_rows(n_slots: int, n_experts: int) -> int:
+    """Slots per tile of the grouped expert GEMM: about twice the mean slots per expert (a power of two in
+    [GQMM_MIN_BM, GQMM_MAX_BM]), so most experts take one tile: each tile dequantizes its expert's blocks again."""
+    mean = -(-n_slots // n_experts)
+    return min(GQMM_MAX_BM, max(GQMM_MIN_BM, triton.next_power_of_2(2 * mean)))
 
-    Returns (expert of each tile [n_tiles], slot index of each tile row [n_tiles * tile]).
+
+def _max_tiles(n_slots: int, n_experts: int, tile: int) -> int:
+    """Upper bound of sum over experts of ceil(count / tile) for n_slots slots: each used expert (at most
+    min(E, R)) pads less than one tile, and every tile holds a slot."""
+    return min(n_slots, (n_slots + min(n_experts, n_slots) * (tile - 1)) // tile)
+
+
+def _align_slots(flat_ids: torch.Tensor, n_experts: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group expert slots by expert into tiles of `tile` rows, on the GPU and without a host sync.
+
+    Expert e owns ceil(count_e / tile) consecutive tiles (experts in order), filled with its slots in order,
+    the rest of its last tile -1. The arrays have the upper bound `_max_tiles` of tiles; unused tiles have
+    expert -1 and slots -1. Returns (expert of each tile [n_max] int32, slot of each tile row [n_max * tile]
+    int32, tiles of each expert [E] int32).
     """
     r = flat_ids.numel()
-    ids = flat_ids.long()
-    order = torch.argsort(ids, stable=True)  # slots grouped by expert
-    counts = torch.bincount(ids, minlength=n_experts)
-    tiles = (counts + tile - 1) // tile
-    padded_start = torch.cumsum(tiles * tile, 0) - tiles * tile
-    start = torch.cumsum(counts, 0) - counts
-    sorted_e = ids[order]
-    dest = padded_start[sorted_e] + torch.arange(r, device=ids.device) - start[sorted_e]
-    n_tiles = int(tiles.sum().item())  # one host sync per call; prefill only
-    slots = torch.full((n_tiles * tile,), -1, dtype=torch.int32, device=ids.device)
-    slots[dest] = order.to(torch.int32)
-    tile_expert = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), tiles).to(torch.int32)
-    return tile_expert, slots
+    dev = flat_ids.device
+    n_max = _max_tiles(r, n_experts, tile)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    tile_expert = torch.empty(n_max, dtype=torch.int32, device=dev)
+    slots = torch.empty(n_max * tile, dtype=torch.int32, device=dev)
+    tiles = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    qk._align_slots[(n_max,)](
+        sorted_ids, order, tile_expert, slots, tiles, r, n_experts, r.bit_length(),
+        BM=tile, EP=triton.next_power_of_2(n_experts),
+    )  # fmt: skip
+    return tile_expert, slots, tiles
