@@ -21,6 +21,10 @@
 # runs into the time the others need (see src/tandem/bench/compare.py). A tandem process pays Triton's
 # autotuning in its warm-up unless the cache has it (TRITON_CACHE_AUTOTUNING=1, filled by PREWARM): some
 # 10-20 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
+# Measured (2026-11-30 08:45, one model, LLAMA_JOBS=16, PREWARM on): ggml-python 40 s, synth 25 s, prewarm
+# 98 s (during the build, slowing it), llama.cpp build done at 346 s; tandem's --cpu-moe row then took
+# ~30 s (load 3.4 s, warm-up 2.6 s, 3 repetitions). Two models with all six rows each need about 650 s:
+# until the build gets shorter, run one model per device call (MODELS=...), DEADLINE_S=570.
 #
 # Knobs (environment):
 #   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets;  MODEL_FILES="a.gguf b.gguf" uses files instead
@@ -31,7 +35,8 @@
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; log in $OUT/pytest_gpu.log)
 #   PREWARM=1 (default; 0: off) one untimed `tandem bench --tg 4 --reps 1` per synthesised model while the
 #     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
-#   LLAMA_JOBS=12 (the llama.cpp build's parallel jobs)  LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
+#   LLAMA_JOBS=12 (the llama.cpp build's parallel jobs)
+#   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
 t0=$(date +%s)
