@@ -3,12 +3,31 @@ attention sinks.
 
 Shapes: T = new tokens, S = cached positions (including the new ones), H = query heads,
 G = KV heads, D = head dim.
+
+With an f16 cache on the CPU, attention rounds as llama.cpp's CPU backend does without flash
+attention (ggml-cpu: `mul_mat` through llamafile's tinyBLAS, `soft_max_ext`, AVX-512 build):
+
+- K.Q: the queries are converted to f16, so every product is exact in float32; with several query
+  rows each output sums its products in 16 float32 lanes (lane i takes the products i, i+16, i+32, ...
+  in order), then adds the lanes as `_mm512_reduce_add_ps` does; one row (decoding) goes through
+  `ggml_vec_dot_f16` instead: 64 lanes, folded to 16 before the same reduction;
+- softmax: exp is ggml's vectorized `ggml_v_expf` (its own polynomial, not the C library's), each run of
+  16 exponentials is reduced as above and the runs are summed in double; the probabilities are the
+  exponentials times the float 1/sum;
+- P.V: the probabilities are converted to f16 and summed over positions as in K.Q.
+
+These are last-place differences, but the attention output feeds the 8-bit quantization of the output
+projection's activations, where one unit in the last place can move a rounding by a whole step: matching
+llama.cpp token for token needs them. An f32 (or bf16) cache keeps plain float32 products (with an f32
+cache, what `transformers` computes, up to summation order).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -97,6 +116,8 @@ def attend(
             enable_gqa=group > 1,
         )  # [1, H, T, Dv]
         return out[0].transpose(0, 1)
+    if keys.dtype is torch.float16 and not q.is_cuda:
+        return _attend_ggml(q, keys, values, allowed, s, sinks)
     qh = q.float().transpose(0, 1)  # [H, T, D]
     kh = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
     vh = values.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, Dv]
@@ -110,3 +131,175 @@ def attend(
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vh).transpose(0, 1).to(q.dtype)  # [T, H, Dv]
+
+
+# -- llama.cpp's CPU arithmetic (f16 cache) ---------------------------------------------------------
+# In numpy (small steps: its per-call cost is a fraction of torch's), large sums in torch (one pass per
+# step over lane-major blocks, on all threads).
+
+_LANES = 16  # floats per AVX-512 register: tinyBLAS's KN and the softmax's vector width
+_STEP = 64  # ggml_vec_dot_f16's step (4 registers)
+_CHUNK_ELEMENTS = 1 << 22  # bound on the [lanes, ...] partial-sum arrays (16 MiB)
+_SMALL = 1 << 16  # partial sums smaller than this are added in numpy, larger ones in torch
+
+
+def _reduce_lanes(acc: np.ndarray) -> np.ndarray:
+    """Sum the last dimension (16 float32 lanes) in `_mm512_reduce_add_ps`'s order (GCC): halves,
+    quarters, then lanes (0 + 2) + (1 + 3)."""
+    t = acc[..., 8:16] + acc[..., 0:8]
+    t = t[..., 4:8] + t[..., 0:4]
+    u = t[..., 0:2] + t[..., 2:4]
+    return u[..., 0] + u[..., 1]
+
+
+def _lane_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Dot products from step-major operands a, b [steps, lanes, ...] (broadcast over the trailing
+    dimensions; float32 holding f16 values): each lane sums its products in step order (exact
+    products, so the fused multiply-adds are plain additions), then the lanes are added as ggml does.
+
+    64 lanes are `ggml_vec_dot_f16`'s 4 registers of 16, folded as (0 + 2) + (1 + 3); 16 lanes are
+    tinyBLAS's one register. The register is then reduced as `_mm512_reduce_add_ps`."""
+    shape = np.broadcast_shapes(a.shape[1:], b.shape[1:])
+    if math.prod(shape) < _SMALL:  # numpy: a fraction of torch's per-call cost
+        acc = a[0] * b[0]
+        for i in range(1, a.shape[0]):
+            acc += a[i] * b[i]
+    else:  # torch: one pass per step (addcmul), on all threads
+        acc_t = torch.zeros(shape, dtype=torch.float32)
+        a_t, b_t = torch.from_numpy(a), torch.from_numpy(b)
+        for i in range(a.shape[0]):
+            acc_t.addcmul_(a_t[i], b_t[i])
+        acc = acc_t.numpy()
+    if acc.shape[0] == _STEP:
+        acc = (acc[0:16] + acc[32:48]) + (acc[16:32] + acc[48:64])
+    t = acc[8:16] + acc[0:8]
+    t = t[4:8] + t[0:4]
+    u = t[0:2] + t[2:4]
+    return u[0] + u[1]
+
+
+def _step_major(x: np.ndarray, axis: int, lanes: int) -> np.ndarray:
+    """x with dimension `axis` (a multiple of `lanes` long) split into [steps, lanes] and moved to the
+    front, as a contiguous float32 copy: [steps, lanes, <the other dimensions>]."""
+    axis = axis % x.ndim
+    split = x.reshape(*x.shape[:axis], -1, lanes, *x.shape[axis + 1 :])
+    return np.moveaxis(split, (axis, axis + 1), (0, 1)).astype(np.float32, order="C")
+
+
+def _f32(hex_literal: str) -> np.float32:
+    return np.float32(float.fromhex(hex_literal))
+
+
+_EXP = {k: _f32(v) for k, v in {
+    "round": "0x1.8p23", "log2e": "0x1.715476p+0", "ln2_hi": "0x1.62e4p-1", "ln2_lo": "0x1.7f7d1cp-20",
+    "c5": "0x1.0e4020p-7", "c4": "0x1.573e2ep-5", "c3": "0x1.555e66p-3", "c2": "0x1.fffdb6p-2",
+    "c1": "0x1.ffffecp-1",
+}.items()}  # fmt: skip
+_EXP64 = {k: np.float64(v) for k, v in _EXP.items()}
+
+
+def _fma(a: np.ndarray, b: np.ndarray | np.float64, c: np.ndarray | np.float64 | float) -> np.ndarray:
+    """float32 fused multiply-add a * b + c of float32 values, rounded once (in float64 a * b is exact)."""
+    return (np.asarray(a, dtype=np.float64) * b + c).astype(np.float32)
+
+
+def ggml_expf(x: np.ndarray) -> np.ndarray:
+    """exp(x) as ggml's `ggml_v_expf` (ggml-cpu/vec.h, the AVX-512 version) computes it, for float32 x."""
+    c, c64 = _EXP, _EXP64
+    n = _fma(x, c64["log2e"], c64["round"]) - c["round"]
+    b = _fma(-n, c64["ln2_lo"], _fma(-n, c64["ln2_hi"], x).astype(np.float64))
+    u = b * b
+    b64 = b.astype(np.float64)
+    inner = _fma(_fma(b64, c64["c5"], c64["c4"]), u, _fma(b64, c64["c3"], c64["c2"]))
+    j = _fma(inner, u, _fma(b64, c64["c1"], 1.0))
+    with np.errstate(over="ignore", under="ignore"):  # _mm512_scalef_ps: j * 2^n, rounded once
+        res = np.ldexp(j.astype(np.float64), np.clip(n, -512, 512).astype(np.int32)).astype(np.float32)
+    big = np.abs(n) > 192
+    if big.any():
+        res = np.where(big, np.where(n <= 0, np.float32(0), np.float32(np.inf)), res)
+    return res
+
+
+def _softmax_ggml(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """ggml's `soft_max_ext` over the last dimension (a multiple of 16; -inf where masked).
+
+    sinks (or None): one extra logit per row, broadcast against scores[..., :1], in the denominator only."""
+    mx = scores.max(-1, keepdims=True)
+    if sinks is not None:
+        mx = np.maximum(mx, sinks)
+    with np.errstate(invalid="ignore"):
+        e = ggml_expf(scores - mx)
+    total = _reduce_lanes(e.reshape(*e.shape[:-1], -1, _LANES)).astype(np.float64).sum(-1, keepdims=True)
+    if sinks is not None:  # expf (the C library's, correctly rounded here) of the sink's logit
+        total = total + np.exp((sinks - mx).astype(np.float64)).astype(np.float32)
+    return e * (1.0 / total).astype(np.float32)
+
+
+def _attend_ggml(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    s: AttentionShape,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`attend` with llama.cpp's CPU rounding for an f16 cache (see the module docstring)."""
+    g, group = s.n_kv_heads, s.n_heads // s.n_kv_heads
+    n_keys, t, d = keys.shape[0], q.shape[0], q.shape[-1]
+    # llama.cpp runs one query row through ggml's own dot product (64 lanes), several through
+    # tinyBLAS (16 lanes) when the shapes suit it: the summed dimension a multiple of 16, the rows
+    # of the other side a multiple of 4
+    kq_lanes = _STEP if t == 1 or d % _LANES else _LANES
+    pv_lanes = _STEP if t == 1 or s.value_dim % 4 else _LANES
+    kq_full = d - d % kq_lanes  # ggml_vec_dot_f16 adds the products past it one by one, in double
+    padded = -(-n_keys // _STEP) * _STEP  # positions past the cache's are masked (probability 0)
+    # A power-of-two scale multiplies the queries before their f16 conversion, as llama.cpp's Gemma
+    # graphs do (ggml_scale on Q); any other scale multiplies the scores in the softmax (`kq_scale`).
+    # For a power of two the two differ only where q * scale is an f16 subnormal, but there they do.
+    scale_queries = s.scale > 0 and math.frexp(s.scale)[0] == 0.5
+    score_scale = np.float32(1.0 if scale_queries else s.scale)
+    q32 = q.detach().float().cpu().numpy()
+    if scale_queries:
+        q32 = q32 * np.float32(s.scale)
+    # f16 values as float32 (exact), grouped by KV head: query head h reads KV head h // group
+    qg = q32.astype(np.float16).astype(np.float32).transpose(1, 0, 2).reshape(g, group, t, d)
+    kh = keys.detach().cpu().numpy()  # [S, G, D] f16
+    v_pad = np.zeros((padded, g, s.value_dim), dtype=np.float32)
+    v_pad[:n_keys] = values.detach().cpu().numpy()
+    v_steps = v_pad.reshape(-1, pv_lanes, g, 1, 1, s.value_dim)  # [steps, lanes, G, 1, 1, Dv]: step-major as is
+    allow = allowed.cpu().numpy()
+    mask = np.full((t, padded), -np.inf, dtype=np.float32)
+    mask[:, :n_keys][allow] = 0.0
+    sink = None if sinks is None else sinks.detach().float().cpu().numpy().reshape(g, group, 1, 1)
+    out = np.empty((g, group, t, s.value_dim), dtype=np.float32)
+    rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * max(padded, s.value_dim) * max(kq_lanes, pv_lanes)))
+    for r0 in range(0, t, rows):
+        r1 = min(t, r0 + rows)
+        # keys that no row of this chunk sees are left out, in whole steps: their probabilities are 0,
+        # so they would only add zeros to the sums
+        seen = np.flatnonzero(allow[r0:r1].any(0))
+        width = -(-(int(seen[-1]) + 1 if len(seen) else 1) // _STEP) * _STEP
+        n = min(width, n_keys)
+        q_rows = qg[:, :, r0:r1]
+        k_rows = kh[:n].transpose(1, 0, 2)  # [G, n, D]
+        scores = np.zeros((g, group, r1 - r0, width), dtype=np.float32)
+        if kq_full:  # [steps, lanes, G, group, t, 1] x [steps, lanes, G, 1, 1, n]
+            a = _step_major(q_rows[..., :kq_full], -1, kq_lanes)[..., None]
+            b = _step_major(k_rows[..., :kq_full], -1, kq_lanes)[:, :, :, None, None, :]
+            scores[..., :n] = _lane_sums(a, b)
+        if kq_full < d:  # added one by one in double (exact float32 products)
+            total = scores[..., :n].astype(np.float64)
+            for i in range(kq_full, d):
+                prod = q_rows[..., i, None] * k_rows[:, None, None, :, i].astype(np.float32)
+                total = total + prod.astype(np.float64)
+            scores[..., :n] = total.astype(np.float32)
+        if score_scale != 1.0:
+            scores = scores * score_scale
+        if s.softcap is not None:
+            scores = np.tanh(scores / np.float32(s.softcap)) * np.float32(s.softcap)
+        scores = scores + mask[r0:r1, :width]
+        probs = _softmax_ggml(scores, sink).astype(np.float16)  # [G, group, t, S]
+        p_steps = _step_major(probs, -1, pv_lanes)[..., None]  # [steps, lanes, G, group, t, 1]
+        out[:, :, r0:r1] = _lane_sums(p_steps, v_steps[: width // pv_lanes])
+    result = torch.from_numpy(out.reshape(s.n_heads, t, s.value_dim)).transpose(0, 1)
+    return result.to(device=q.device, dtype=q.dtype)  # [T, H, Dv]

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, computed in float32."""
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, computed in float32.
+
+    On the CPU this is ggml's `rms_norm` followed by `mul`, bit for bit (ggml-cpu/ops.cpp): the float
+    squares are summed in double, the mean is rounded to float, scale = 1.0f / sqrtf(mean + eps), and
+    the row is scaled, then multiplied by the weight (two roundings). It runs in numpy, whose float32
+    sqrt is correctly rounded as sqrtf is (torch's vectorized one is not always). A norm's output feeds
+    the 8-bit quantization of a product's activations, where one unit in the last place can move a
+    rounding by a whole quantization step: matching llama.cpp token for token needs exactly this.
+    """
     if x.is_cuda:  # torch's fused kernel: one launch instead of five
         return F.rms_norm(x.float(), (x.shape[-1],), weight.float().expand(x.shape[-1]), eps).to(x.dtype)
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight).to(x.dtype)
+    x32 = x.detach().float().contiguous().numpy()
+    mean = ((x32 * x32).sum(-1, keepdims=True, dtype=np.float64) / x32.shape[-1]).astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))  # float32: sqrtf, then a division
+    w = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.float32(weight)
+    return torch.from_numpy((x32 * scale) * w).to(x.dtype)

@@ -3,13 +3,24 @@
 Frequencies follow ggml's `rope_yarn` (ggml-cpu/ops.cpp): per rotated pair i, theta_i = p * base^(-2i/dim)
 / freq_factor_i, linearly scaled by `scale`, or, with YaRN, blended between scaled and unscaled by a ramp
 over the pairs, and cos/sin multiplied by the YaRN magnitude scale.
+
+The tables are computed as ggml's CPU backend computes them, in float32 and in the same order
+(`ggml_rope_cache_init`): theta starts at the position and is multiplied by powf(base, -2/dim) from one
+pair to the next, and cos/sin are the C library's cosf/sinf (taken through ggml's own cos/sin ops).
+On the CPU the rotation rounds like llama.cpp's build, whose compiler contracts x0*cos - x1*sin into
+fma(x0, cos, -(x1*sin)). Rotated queries and keys feed f16 rounding and 8-bit quantization downstream,
+where one unit in the last place can become a visible difference: this keeps tandem on llama.cpp's
+tokens.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
+import ggml
+import numpy as np
 import torch
 
 
@@ -46,26 +57,72 @@ def yarn_corr_dims(dim: int, n_ctx_orig: int, base: float, beta_fast: float, bet
     return max(0.0, math.floor(corr_dim(beta_fast))), min(dim - 1.0, math.ceil(corr_dim(beta_slow)))
 
 
-def _inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float, float]:
-    """(per-pair angle per position [half], position multiplier, cos/sin magnitude) of a spec."""
-    half = spec.dim // 2
-    exponent = torch.arange(0, half, dtype=torch.float64) * 2.0 / spec.dim
-    inv_freq = 1.0 / (spec.base**exponent)
-    if spec.freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(spec.freq_factors[:half], dtype=torch.float64)
+def _cos_sin_f32(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cosf/sinf of a float32 array, as ggml's CPU backend computes them (its cos/sin ops call the C
+    library's cosf/sinf element by element, the functions its rope uses)."""
+    flat = np.ascontiguousarray(theta, dtype=np.float32).reshape(-1)
+    n = flat.size
+    if n == 0:
+        return flat.reshape(theta.shape).copy(), flat.reshape(theta.shape).copy()
+    mem = 3 * n * 4 + 8 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead() + 4096
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    try:
+        x = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, n)
+        ctypes.memmove(ggml.ggml_get_data(x), flat.ctypes.data, n * 4)
+        cos, sin = ggml.ggml_cos(ctx, x), ggml.ggml_sin(ctx, x)
+        graph = ggml.ggml_new_graph(ctx)
+        ggml.ggml_build_forward_expand(graph, cos)
+        ggml.ggml_build_forward_expand(graph, sin)
+        ggml.ggml_graph_compute_with_ctx(ctx, graph, 1)
+
+        def read(t: ggml.ggml_tensor_p) -> np.ndarray:
+            ptr = ctypes.cast(ggml.ggml_get_data(t), ctypes.POINTER(ctypes.c_float))
+            return np.ctypeslib.as_array(ptr, shape=(n,)).copy().reshape(theta.shape)
+
+        return read(cos), read(sin)
+    finally:
+        ggml.ggml_free(ctx)
+
+
+def _mscale(spec: RopeSpec) -> float:
+    """The cos/sin magnitude (ggml: attn_factor, times 1 + 0.1 ln(1/scale) with YaRN extrapolation)."""
     y = spec.yarn
     if y is None:
-        return inv_freq.to(torch.float32), spec.scale, 1.0
-    # theta = theta_interp * (1 - mix) + theta_extrap * mix, theta_interp = scale * theta_extrap
-    low, high = yarn_corr_dims(spec.dim, y.n_ctx_orig, spec.base, y.beta_fast, y.beta_slow)
-    pair = torch.arange(half, dtype=torch.float64)
-    ramp = 1.0 - ((pair - low) / max(0.001, high - low)).clamp(0.0, 1.0)
-    mix = ramp * y.ext_factor
-    inv_freq = inv_freq * (spec.scale * (1.0 - mix) + mix)
-    mscale = y.attn_factor
+        return 1.0
+    f32 = np.float32
+    mscale = f32(y.attn_factor)
     if y.ext_factor != 0.0:
-        mscale *= 1.0 + 0.1 * math.log(1.0 / spec.scale)
-    return inv_freq.to(torch.float32), 1.0, mscale
+        mscale = mscale * (f32(1) + f32(0.1) * np.log(f32(1) / f32(spec.scale)))
+    return float(mscale)
+
+
+def _angles(spec: RopeSpec, n_positions: int) -> np.ndarray:
+    """theta [P, half] in float32, pair by pair as `ggml_rope_cache_init` / `rope_yarn` compute it."""
+    half = spec.dim // 2
+    f32 = np.float32
+    theta_scale = np.power(f32(spec.base), f32(-2.0) / f32(spec.dim), dtype=np.float32)  # powf
+    freq_scale = f32(spec.scale)
+    y = spec.yarn
+    ramp_mix: np.ndarray | None = None
+    if y is not None and y.ext_factor != 0.0:
+        low, high = yarn_corr_dims(spec.dim, y.n_ctx_orig, spec.base, y.beta_fast, y.beta_slow)
+        pair = np.arange(half, dtype=np.float32)
+        ramp = f32(1) - np.minimum(f32(1), np.maximum(f32(0), (pair - f32(low)) / f32(max(0.001, high - low))))
+        ramp_mix = (ramp * f32(y.ext_factor)).astype(np.float32)
+    factors = None if spec.freq_factors is None else np.asarray(spec.freq_factors[:half], dtype=np.float32)
+    theta = np.arange(n_positions, dtype=np.float32)
+    out = np.empty((n_positions, half), dtype=np.float32)
+    for i in range(half):
+        extrap = theta if factors is None else theta / factors[i]
+        interp = freq_scale * extrap
+        if ramp_mix is not None:
+            mix = ramp_mix[i]
+            interp = interp * (f32(1) - mix) + extrap * mix
+        out[:, i] = interp
+        theta = theta * theta_scale
+    return out
 
 
 class Rope:
@@ -75,7 +132,7 @@ class Rope:
         self.spec = spec
         self.device = torch.device(device)
         half = spec.dim // 2
-        self.inv_freq, self._pos_scale, self.mscale = _inv_freq(spec)
+        self.mscale = _mscale(spec)
         self._cos = torch.empty(0, half, device=self.device)
         self._sin = torch.empty(0, half, device=self.device)
 
@@ -91,13 +148,11 @@ class Rope:
         if self._cos.shape[0] >= n_positions:
             return
         n = max(n_positions, 2 * self._cos.shape[0], 256)
-        pos = torch.arange(n, dtype=torch.float32) * self._pos_scale
-        angles = torch.outer(pos, self.inv_freq)  # [P, half]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = _cos_sin_f32(_angles(self.spec, n))
         if self.mscale != 1.0:
-            cos, sin = cos * self.mscale, sin * self.mscale
-        self._cos = cos.to(self.device)
-        self._sin = sin.to(self.device)
+            cos, sin = cos * np.float32(self.mscale), sin * np.float32(self.mscale)
+        self._cos = torch.from_numpy(cos).to(self.device)
+        self._sin = torch.from_numpy(sin).to(self.device)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, Dh] at integer `positions` [T]."""
@@ -108,7 +163,13 @@ class Rope:
         half = self.spec.dim // 2
         x1 = x[..., :half].float()
         x2 = x[..., half : self.spec.dim].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        if x.is_cuda:
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        else:  # fma(x1, cos, -(x2*sin)) and fma(x1, sin, x2*cos), as ggml's CPU rope is compiled
+            x1d = x1.double()
+            first = x1d * cos.double() - (x2 * sin).double()
+            second = x1d * sin.double() + (x2 * cos).double()
+            rotated = torch.cat([first, second], dim=-1).float().to(x.dtype)
         if self.spec.dim == x.shape[-1]:
             return rotated
         return torch.cat([rotated, x[..., self.spec.dim :]], dim=-1)

@@ -2,17 +2,30 @@
 
 As in llama.cpp: by default every sixth layer is global; local layers use `rope.freq_base_swa`
 (10000) without scaling, global layers the file's base with its linear scaling.
+
+GEGLU: for quantized files (made for llama.cpp) the GELU is ggml's f16 lookup table, as llama.cpp
+computes it (up to ~1e-3 from the formula, enough to change greedy tokens); files with float weights
+keep the tanh formula, which is what `transformers` computes.
 """
 
 from __future__ import annotations
 
 import math
 
+from gguf import GGMLQuantizationType
+
 from tandem.gguf import GGUFFile
 from tandem.layers.rope import RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig, common_hparams, rope_scale, shape_fields, sliding_window_layers
 
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+
+
+def _activation(f: GGUFFile) -> str:
+    """ggml's table GELU when the MLP weights are quantized, the formula otherwise."""
+    gate = f.tensors.get("blk.0.ffn_gate.weight")
+    return "gelu_tanh_ggml" if gate is not None and gate.qtype not in _FLOAT_TYPES else "gelu_tanh"
 
 
 def read_config(f: GGUFFile) -> ModelConfig:
@@ -33,7 +46,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
     query_scale = hp.hidden // hp.n_heads if hp.n_layers == 62 else hp.head_dim
     return ModelConfig(
         **shape_fields(f, hp),
-        activation="gelu_tanh",
+        activation=_activation(f),
         qk_norm=True,
         sandwich_norms=True,
         embed_scale=math.sqrt(hp.hidden),
