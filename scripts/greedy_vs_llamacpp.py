@@ -1,15 +1,12 @@
 #!/usr/bin/env python
 """How far tandem's greedy tokens follow llama.cpp's recorded ones (tests/fixtures/gemma3_270m_llamacpp.json).
 
-    python scripts/greedy_vs_llamacpp.py [--fixture PATH] [--model PATH] [--cache-type f16] [--llamacpp-matmul]
+    python scripts/greedy_vs_llamacpp.py [--fixture PATH] [--model PATH] [--cache-type f16]
 
 Each prompt starts from an empty cache, as llama.cpp's recording does (`llm.reset()`): tandem's prefix
 reuse would otherwise run a prompt's prefill in another batch shape, and batch shape picks ggml's
 kernels. Prints, per prompt, the first token that differs (or "-"), then how many prompts match all
 their tokens and the largest gap between tandem's and llama.cpp's top-50 last-position logits.
-
---llamacpp-matmul routes the CPU products through llama.cpp's repacked and tiled kernels
-(scripts/llamacpp_cpu_matmul.py), to see what remains once those match.
 """
 
 from __future__ import annotations
@@ -31,16 +28,9 @@ def main() -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--cache-type", default="f16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llamacpp-matmul", action="store_true", help="emulate llama.cpp's repacked/tiled products")
     args = ap.parse_args()
 
     import tandem
-
-    if args.llamacpp_matmul:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import llamacpp_cpu_matmul
-
-        llamacpp_cpu_matmul.install(args.threads)
 
     fixture = json.loads(args.fixture.read_text())
     llm = tandem.LLM(args.model, n_ctx=512, threads=args.threads, cache_type=args.cache_type)

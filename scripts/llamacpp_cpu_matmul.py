@@ -1,206 +1,242 @@
 #!/usr/bin/env python
-"""llama.cpp's CPU matrix products where they differ from tandem's ggml (ggml-python 0.0.45) calls.
+"""tandem's CPU matrix products against llama.cpp's own, bit for bit, weight type by weight type.
 
-tandem runs its CPU products through ggml's `mul_mat` on the raw GGUF blocks. llama.cpp (0.3.36, CPU
-build, defaults) computes two kinds of products differently, and the difference is a few units in the
-last place -- enough for llama.cpp's greedy tokens to change (tests/test_real_gemma3.py):
+    python scripts/llamacpp_cpu_matmul.py [--lib DIR] [--threads 2] [--json OUT]
 
-1. Repacked weights. llama.cpp loads the weights its CPU backend can repack into the `CPU_REPACK`
-   buffer type (x86 with AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with AVX-512, when the row count is
-   a multiple of 8) and multiplies them with the interleaved gemm/gemv kernels (`q4_K_8x8_q8_K`, ...),
-   which add in another order. ggml-python's CPU backend has the same buffer type and kernels:
-   `RepackedWeights` copies a weight into it, and the product then matches llama.cpp exactly.
-2. The tiled K-quant product (ggml-cpu/tiled, new in this llama.cpp): for 8 rows of activations or
-   more, K-quant weights that are not repacked (Q6_K, Q5_K, Q3_K, IQ*) go through a 256x256 tiled
-   kernel instead of `vec_dot`. ggml-python does not have it. `tiled_q6_k_matmul` computes its Q6_K
-   case exactly in torch: the integer sub-block sums are exact, and the float steps are the kernel's
-   (per 256-block: float(sum) * d_weight, then fma(that, d_activation, accumulator), block by block).
+tandem holds a CPU model's matrices as llama.cpp's CPU backend holds them (`prepare_cpu_weight` in
+tandem/quant/ggml_cpu.py: copies repacked for ggml's interleaved kernels, llama.cpp's tiled Q6_K product
+from 8 rows), so that its products are llama.cpp's to the last bit. This checks it op by op: the same
+random weight and activations go through tandem's `CPUKernels.matmul` and through llama.cpp's ggml (the
+libraries of llama-cpp-python's CPU build, scripts/build_llamacpp.sh), which a child process calls through
+ctypes -- two ggml libraries cannot share a process. The child puts a weight in the CPU_REPACK buffer
+where ggml's repack buffer type supports the product (as llama.cpp's loader asks it), else in a plain CPU
+buffer, and computes with its backend.
 
-`install()` routes `GGMLLinear` through these (a monkeypatch, for experiments and tests):
-
-    python scripts/greedy_vs_llamacpp.py --llamacpp-matmul     # 8 of 8 prompts, 32 tokens each
-
-The proper home is tandem/quant/ggml_cpu.py (repack at load time, the tiled path in `CPUKernels.matmul`).
-A third difference is in the model graph: llama.cpp drops all rows but the ones whose logits it returns
-right after the last layer's attention, so that layer's FFN runs on 1 row (vec_dot) where tandem's runs
-on all (tiled when >= 8).
+The row counts cover ggml's gemv (1 row) and gemm (4-row groups, the rest by gemv) repacked kernels, and
+the tiled kernel's narrow (8-16 rows), standard and multi-window (> 256 rows) paths. Cases where llama.cpp
+runs the tiled kernel for a type tandem has not ported (Q5_K, Q4_K with rows not a multiple of 8, Q3_K,
+Q2_K where it is not repacked) are expected to differ, and reported as such. Prints one line per case;
+exits 1 when a case expected to match does not, or when tandem and llama.cpp repack differently.
 """
 
 from __future__ import annotations
 
-import ctypes
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import ggml
-import numpy as np
-import torch
-from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
+DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
+PROBE_ROWS = 512  # the activation rows of llama.cpp's weight_buft_supported probe
 
-from tandem.layers import linear
-from tandem.quant.ggml_cpu import GGMLWeight
-
-REPACKABLE = {Q.Q4_0, Q.Q4_K, Q.IQ4_NL, Q.MXFP4, Q.Q2_K}  # ggml's x86 candidates; ggml has the last word
-TILED_MIN_ROWS = 8  # ggml_tiled_min_batch
-_QK_K = 256
-_Q6_K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d (f16)
-
-
-def _repack_buffer_type() -> int | None:
-    """ggml's CPU_REPACK buffer type, from the CPU device's extra buffer types (None if absent)."""
-    reg = ggml.ggml_backend_cpu_reg()
-    proc = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-    if not proc:
-        return None
-    get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)
-    types = get_extra(ggml.ggml_backend_reg_dev_get(reg, 0))
-    i = 0
-    while types[i]:
-        if ggml.ggml_backend_buft_name(types[i]) == b"CPU_REPACK":
-            return int(types[i])
-        i += 1
-    return None
+# (type, rows N, row length K, activation row counts)
+CASES: list[tuple[str, int, int, tuple[int, ...]]] = [
+    ("Q6_K", 640, 2048, (1, 7, 8, 9, 16, 17, 64, 300)),
+    ("Q6_K", 40, 512, (8, 33)),
+    ("Q4_K", 64, 512, (1, 3, 4, 8, 13, 64)),
+    ("Q4_K", 60, 512, (1, 8)),
+    ("Q4_0", 64, 512, (1, 5, 32)),
+    ("IQ4_NL", 64, 512, (1, 5, 32)),
+    ("MXFP4", 64, 512, (1, 5, 32)),
+    ("Q8_0", 64, 640, (1, 9, 64)),
+    ("Q5_0", 64, 640, (1, 9, 64)),
+    ("Q5_K", 64, 512, (1, 8)),
+    ("Q3_K", 64, 512, (1, 8)),
+    ("Q2_K", 64, 512, (1, 8)),
+]
+# Types llama.cpp's tiled kernel takes (tiled.cpp ggml_tiled_supported) among those above.
+TILED_TYPES = {"Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K"}
+# Byte offsets of the f16 scale fields inside one block (ggml-common.h).
+F16_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
 
 
-class RepackedWeights:
-    """Weights copied into ggml's CPU_REPACK buffers, and products on them (one CPU backend)."""
+def child(lib: str, workdir: Path, threads: int) -> int:
+    """Runs in the subprocess: every case of workdir/cases.json through llama.cpp's ggml."""
+    import ctypes
 
-    def __init__(self, n_threads: int) -> None:
-        self._buft = _repack_buffer_type()
-        self._backend = ggml.ggml_backend_cpu_init()
-        ggml.ggml_backend_cpu_set_n_threads(self._backend, n_threads)
-        self._tensors: dict[int, tuple[Any, Any, Any, GGMLWeight] | None] = {}
-        self._lock = threading.Lock()
+    libdir = Path(lib) / "llama_cpp" / "lib"
+    base = ctypes.CDLL(str(libdir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    import numpy as np  # after the libraries (shared/peers/README.md)
 
-    def _repacked(self, w: GGMLWeight) -> Any | None:
-        """The repacked ggml tensor of w, or None when ggml does not repack it."""
-        key = id(w)
-        if key in self._tensors:
-            entry = self._tensors[key]
-            return None if entry is None else entry[1]
-        entry = None
-        if self._buft is not None and w.qtype in REPACKABLE and len(w.shape) == 2:
-            n, k = w.shape
-            mem = ggml.ggml_tensor_overhead() * 2
-            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
-            t = ggml.ggml_new_tensor_2d(ctx, int(w.qtype), k, n)
-            buf = ggml.ggml_backend_buft_alloc_buffer(self._buft, ggml.ggml_nbytes(t) + 64)
-            ggml.ggml_backend_tensor_alloc(buf, t, ggml.ggml_backend_buffer_get_base(buf))
-            if t.contents.extra:  # ggml chose a repacked layout (set_tensor would abort otherwise)
-                ggml.ggml_backend_tensor_set(t, w.data.ctypes.data_as(ctypes.c_void_p), 0, w.data.nbytes)
-                entry = (ctx, t, buf, w)
-            else:
-                ggml.ggml_backend_buffer_free(buf)
-                ggml.ggml_free(ctx)
-        self._tensors[key] = entry
-        return None if entry is None else entry[1]
+    p, i64, size = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
 
-    def matmul(self, x: torch.Tensor, w: GGMLWeight) -> torch.Tensor | None:
-        """x [T, K] @ W^T through the repacked kernels, or None when W is not repacked."""
-        with self._lock:
-            t = self._repacked(w)
-            if t is None:
-                return None
-            n, k = w.shape
-            x = x.to(dtype=torch.float32, device="cpu").contiguous()
-            rows = x.shape[0]
-            mem = ggml.ggml_tensor_overhead() * 8 + ggml.ggml_graph_overhead()
-            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
-            try:
-                xt = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, rows)
-                out = ggml.ggml_mul_mat(ctx, t, xt)
-                y = torch.empty(rows, n, dtype=torch.float32)
-                xt.contents.data = x.data_ptr()
-                out.contents.data = y.data_ptr()
-                graph = ggml.ggml_new_graph(ctx)
-                ggml.ggml_build_forward_expand(graph, out)
-                if ggml.ggml_backend_graph_compute(self._backend, graph) != 0:
-                    raise RuntimeError("ggml graph compute failed")
-            finally:
-                ggml.ggml_free(ctx)
-            return y
+    class InitParams(ctypes.Structure):
+        _fields_ = [("mem_size", size), ("mem_buffer", p), ("no_alloc", ctypes.c_bool)]
 
+    def fn(lib_: ctypes.CDLL, name: str, restype: object, *argtypes: object):  # type: ignore[no-untyped-def]
+        f = getattr(lib_, name)
+        f.restype, f.argtypes = restype, list(argtypes)
+        return f
 
-def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's `quantize_row_q8_K_ref` on x [T, K]: codes [T, K/256, 256] (as float) and d [T, K/256].
+    init = fn(base, "ggml_init", p, InitParams)
+    free = fn(base, "ggml_free", None, p)
+    overhead = fn(base, "ggml_tensor_overhead", size)
+    graph_overhead = fn(base, "ggml_graph_overhead", size)
+    new_2d = fn(base, "ggml_new_tensor_2d", p, p, ctypes.c_int, i64, i64)
+    mul_mat = fn(base, "ggml_mul_mat", p, p, p, p)
+    new_graph = fn(base, "ggml_new_graph", p, p)
+    expand = fn(base, "ggml_build_forward_expand", None, p, p)
+    buft_name = fn(base, "ggml_backend_buft_name", ctypes.c_char_p, p)
+    buft_alloc = fn(base, "ggml_backend_buft_alloc_buffer", p, p, size)
+    alloc_size = fn(base, "ggml_backend_buft_get_alloc_size", size, p, p)
+    buffer_base = fn(base, "ggml_backend_buffer_get_base", p, p)
+    buffer_free = fn(base, "ggml_backend_buffer_free", None, p)
+    tensor_alloc = fn(base, "ggml_backend_tensor_alloc", ctypes.c_int, p, p, p)
+    tensor_set = fn(base, "ggml_backend_tensor_set", None, p, p, size, size)
+    tensor_get = fn(base, "ggml_backend_tensor_get", None, p, p, size, size)
+    alloc_ctx = fn(base, "ggml_backend_alloc_ctx_tensors", p, p, p)
+    compute = fn(base, "ggml_backend_graph_compute", ctypes.c_int, p, p)
+    supports_op = fn(base, "ggml_backend_dev_supports_op", ctypes.c_bool, p, p)
+    proc_address = fn(base, "ggml_backend_reg_get_proc_address", p, p, ctypes.c_char_p)
+    reg_dev = fn(base, "ggml_backend_reg_dev_get", p, p, size)
+    log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, p)
+    quiet = log_callback(lambda level, text, _: None if level == 1 else print(text.decode(), end="", file=sys.stderr))
+    fn(base, "ggml_log_set", None, log_callback, p)(quiet, None)  # its repack announces each tensor (debug)
+    reg = fn(cpu, "ggml_backend_cpu_reg", p)()
+    backend = fn(cpu, "ggml_backend_cpu_init", p)()
+    fn(cpu, "ggml_backend_cpu_set_n_threads", None, p, ctypes.c_int)(backend, threads)
 
-    Per 256-block: the value of largest magnitude (the first one), iscale = -127/max, codes
-    nearest_int(iscale * x) capped at 127 (round half to even, as the magic-number trick), d = 1/iscale."""
-    t, k = x.shape
-    blocks = x.float().reshape(t, k // _QK_K, _QK_K)
-    first = blocks.abs().argmax(-1, keepdim=True)
-    peak = blocks.gather(-1, first)
-    zero = peak == 0
-    iscale = torch.where(zero, 0.0, (-127.0 / peak.double()).float())
-    codes = torch.round(iscale * blocks).clamp(max=127)
-    d = torch.where(zero, 0.0, (1.0 / iscale.double()).float())
-    return codes, d[..., 0]
+    device = reg_dev(reg, 0)
+    extra_bufts = ctypes.CFUNCTYPE(ctypes.POINTER(p), p)(proc_address(reg, b"ggml_backend_dev_get_extra_bufts"))
+    bufts = extra_bufts(device)
+    repack_buft, j = None, 0
+    while bufts[j]:  # a NULL-terminated list
+        if buft_name(bufts[j]) == b"CPU_REPACK":
+            repack_buft = bufts[j]
+        j += 1
 
-
-_Q6: dict[int, tuple[torch.Tensor, torch.Tensor, GGMLWeight]] = {}
-
-
-def _q6_k_parts(w: GGMLWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale * (q - 32)) as float64 [K/256, 256, N] (exact integers) and d [N, K/256] of a Q6_K weight."""
-    key = id(w)
-    if key not in _Q6:
-        n, k = w.shape
-        raw = w.data.reshape(n, k // _QK_K, _Q6_K_BYTES)
-        scales = raw[:, :, 192:208].copy().view(np.int8).astype(np.float64)  # [N, B, 16]
-        d = raw[:, :, 208:210].copy().view(np.float16).astype(np.float32)[..., 0]  # [N, B]
-        unit = raw.copy()  # the same blocks with d = 1 and every scale 1: dequantizing gives q - 32
-        unit[:, :, 192:208] = 1
-        unit[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
-        q = dequantize(unit.reshape(-1), Q.Q6_K).reshape(n, k // _QK_K, 16, 16).astype(np.float64)
-        weights = torch.from_numpy((q * scales[..., None]).reshape(n, k // _QK_K, _QK_K))
-        _Q6[key] = (weights.permute(1, 2, 0).contiguous(), torch.from_numpy(d), w)
-    weights, d, _ = _Q6[key]
-    return weights, d
-
-
-def tiled_q6_k_matmul(x: torch.Tensor, w: GGMLWeight) -> torch.Tensor:
-    """x [T, K] @ W^T for a Q6_K W, as ggml's tiled kernel computes it (AVX-512 VNNI build)."""
-    weights, d_w = _q6_k_parts(w)
-    codes, d_x = quantize_q8_k(x)
-    # per block: sum_s scale_s * sum_e (q - 32) * code, exact in float64 (|sum| < 2^28)
-    sums = torch.bmm(codes.double().transpose(0, 1), weights)  # [B, T, N]
-    per_block = sums.float() * d_w.t()[:, None, :]  # float(s1) * d_weight
-    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
-    for b in range(per_block.shape[0]):  # acc = fma(per_block, d_activation, acc), block after block
-        acc = (per_block[b].double() * d_x[:, b, None].double() + acc.double()).float()
-    return acc
+    cases = json.loads((workdir / "cases.json").read_text())
+    results = []
+    for case in cases:
+        weight = np.fromfile(workdir / case["weight"], dtype=np.uint8)
+        x = np.fromfile(workdir / case["x"], dtype=np.float32)
+        n, k, t = case["n"], case["k"], case["rows"]
+        wctx = init(InitParams(overhead() * 3, None, True))
+        w = new_2d(wctx, case["ggml_type"], k, n)
+        buffer, repacked = None, False
+        if repack_buft:  # llama.cpp's loader: the CPU_REPACK buffer where it supports the weight's product
+            probe = mul_mat(wctx, w, new_2d(wctx, 0, k, PROBE_ROWS))
+            buffer = buft_alloc(repack_buft, alloc_size(repack_buft, w))
+            tensor_alloc(buffer, w, buffer_base(buffer))
+            repacked = bool(supports_op(device, probe))
+            if not repacked:
+                buffer_free(buffer)
+                free(wctx)
+                wctx = init(InitParams(overhead() * 3, None, True))
+                w = new_2d(wctx, case["ggml_type"], k, n)
+        if not repacked:
+            buffer = alloc_ctx(wctx, backend)
+        tensor_set(w, weight.ctypes.data, 0, weight.nbytes)
+        ctx = init(InitParams(overhead() * 4 + graph_overhead(), None, True))
+        xt = new_2d(ctx, 0, k, t)  # GGML_TYPE_F32
+        out = mul_mat(ctx, w, xt)
+        graph = new_graph(ctx)
+        expand(graph, out)
+        io = alloc_ctx(ctx, backend)
+        tensor_set(xt, x.ctypes.data, 0, x.nbytes)
+        if compute(backend, graph) != 0:
+            raise RuntimeError("ggml_backend_graph_compute failed")
+        y = np.empty(t * n, dtype=np.float32)
+        tensor_get(out, y.ctypes.data, 0, y.nbytes)
+        y.tofile(workdir / case["out"])
+        results.append({"repacked": repacked})
+        for b in (io, buffer):
+            buffer_free(b)
+        free(ctx)
+        free(wctx)
+    (workdir / "results.json").write_text(json.dumps(results))
+    return 0
 
 
-def install(n_threads: int = 2) -> Callable[[], None]:
-    """Route `GGMLLinear` products through llama.cpp's kernels (repacked, tiled Q6_K); returns the undo."""
-    repacked = RepackedWeights(n_threads)
-    original = linear.GGMLLinear.__call__
+def random_weight(qtype_name: str, n: int, k: int, rng):  # type: ignore[no-untyped-def]
+    """Random blocks with finite, small scales (random f16 fields; E8M0 exponents for MXFP4)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
 
-    def call(self: linear.GGMLLinear, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        y = repacked.matmul(x, w)
-        if y is not None:
-            return y
-        if w.qtype == Q.Q6_K and x.shape[0] >= TILED_MIN_ROWS:
-            return tiled_q6_k_matmul(x, w)
-        return original(self, x)
-
-    linear.GGMLLinear.__call__ = call  # type: ignore[method-assign]
-
-    def undo() -> None:
-        linear.GGMLLinear.__call__ = original  # type: ignore[method-assign]
-
-    return undo
+    block, type_size = GGML_QUANT_SIZES[Q[qtype_name]]
+    nb = n * k // block
+    raw = rng.integers(0, 256, (nb, type_size), dtype=np.uint8)
+    if qtype_name == "MXFP4":
+        raw[:, 0] = rng.integers(120, 131, nb)
+    for offset in F16_SCALES.get(qtype_name, ()):
+        scales = (rng.uniform(0.5, 1.5, nb) * rng.choice([-1.0, 1.0], nb) * 0.01).astype(np.float16)
+        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(-1)
 
 
-@contextmanager
-def installed(n_threads: int = 2) -> Iterator[None]:
-    """`install()` for the duration of a with-block."""
-    undo = install(n_threads)
-    try:
-        yield
-    finally:
-        undo()
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", default=DEFAULT_LIB, help="llama-cpp-python's CPU build (a --target directory)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="write the per-case results here")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        return child(args.lib, args.child, args.threads)
+    if not (Path(args.lib) / "llama_cpp" / "lib" / "libggml-cpu.so").exists():
+        print(f"no llama.cpp CPU build under {args.lib} (scripts/build_llamacpp.sh)", file=sys.stderr)
+        return 2
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight, prepare_cpu_weight
+    from tandem.quant.ggml_tiled import TILED_ARITHMETIC, TILED_MIN_ROWS
+
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    ours: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp, CPUKernels(args.threads) as kernels:
+        work = Path(tmp)
+        cases = []
+        for qtype_name, n, k, row_counts in CASES:
+            data = random_weight(qtype_name, n, k, rng)
+            weight = prepare_cpu_weight(GGMLWeight(data, Q[qtype_name], (n, k)))
+            weight_file = f"w{len(ours)}.bin"
+            data.tofile(work / weight_file)
+            for rows in row_counts:
+                i = len(cases)
+                x = torch.randn(rows, k)
+                x.numpy().tofile(work / f"x{i}.bin")
+                cases.append({"ggml_type": int(Q[qtype_name]), "n": n, "k": k, "rows": rows,
+                              "weight": weight_file, "x": f"x{i}.bin", "out": f"y{i}.bin"})  # fmt: skip
+                # llama.cpp's tiled kernel where tandem has no port of it: expected to differ
+                unported = (TILED_ARITHMETIC is not None and qtype_name in TILED_TYPES and weight.repacked is None
+                            and weight.tiled is None and rows >= TILED_MIN_ROWS)  # fmt: skip
+                ours.append({"type": qtype_name, "shape": [n, k], "rows": rows, "repacked": weight.repacked is not None,
+                             "tiled": weight.tiled is not None and rows >= TILED_MIN_ROWS, "expect_match": not unported,
+                             "y": kernels.matmul(x, weight).numpy().copy()})  # fmt: skip
+        (work / "cases.json").write_text(json.dumps(cases))
+        cmd = [sys.executable, __file__, "--child", str(work), "--lib", args.lib, "--threads", str(args.threads)]
+        subprocess.run(cmd, check=True, timeout=600)
+        theirs = json.loads((work / "results.json").read_text())
+        failed = 0
+        for case, mine, other in zip(cases, ours, theirs, strict=True):
+            y_ref = np.fromfile(work / case["out"], dtype=np.float32).reshape(mine["y"].shape)
+            y = mine.pop("y")
+            mine["differing"] = int((y != y_ref).sum())
+            mine["max_abs_diff"] = float(np.abs(y - y_ref).max())
+            mine["llamacpp_repacked"] = other["repacked"]
+            ok = mine["differing"] == 0
+            bad = (mine["expect_match"] and not ok) or mine["repacked"] != other["repacked"]
+            failed += bad
+            path = "repacked" if mine["repacked"] else "tiled" if mine["tiled"] else "mul_mat"
+            verdict = "same bits" if ok else f"{mine['differing']} of {y.size} differ (max {mine['max_abs_diff']:.2g})"
+            note = "" if mine["expect_match"] else "  [expected: llama.cpp's tiled kernel, not ported]"
+            what = f"{mine['type']:<7} {'x'.join(map(str, mine['shape'])):<9} x{mine['rows']:<4} {path:<9}"
+            print(f"{'FAIL' if bad else 'ok  '} {what} {verdict}{note}")
+    if args.json:
+        args.json.write_text(json.dumps(ours, indent=1))
+    print(f"{len(ours) - failed} of {len(ours)} cases as expected")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,15 +10,35 @@ Per-call cost is kept low for decode (one call per layer per token): the CPU bac
 buffer and its threadpool live as long as the `CPUKernels` object, and the one-node graph of each
 distinct problem (type, shape, token count) is built once and cached; a call then only writes three
 or four `data` pointers into the cached ggml tensors and runs the graph.
+
+The matrices of a CPU model are held as llama.cpp's CPU backend holds them (`prepare_cpu_weight`), so that
+the products are llama.cpp's to the bit:
+
+* Repacked weights. llama.cpp loads the weights its CPU backend can repack into ggml's `CPU_REPACK` buffer
+  type (on x86 with AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with AVX-512, when the row count is a
+  multiple of 8) and multiplies them with the interleaved gemm/gemv kernels. tandem's ggml has the same
+  buffer type and kernels: such a weight is copied into it (`RepackedTensor`; ggml decides, through the
+  buffer type and `supports_op`, as llama.cpp's loader asks it) and its products run on the copy. That
+  costs the weight's bytes in RAM, as in llama.cpp (whose mmap pages of those weights then go cold).
+  Only CPU_REPACK is used: the project's llama.cpp CPU builds leave AMX out (scripts/build_llamacpp.sh).
+* The tiled K-quant product (`tandem.quant.ggml_tiled`): for 8 activation rows or more, llama.cpp runs
+  K-quant weights that are not repacked through a tiled kernel that tandem's ggml lacks; its Q6_K case
+  is computed exactly in torch.
+
+Everything else stays zero-copy in the memory map.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import ggml
 import numpy as np
@@ -27,8 +47,9 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.errors import UnsupportedModelError
+from tandem.quant.ggml_tiled import TILED_MIN_ROWS, TiledQ6K, tiled_product
 
-__all__ = ["GGMLWeight", "CPUKernels", "mul_mat_supported"]
+__all__ = ["GGMLWeight", "CPUKernels", "RepackedTensor", "mul_mat_supported", "prepare_cpu_weight"]
 
 # Graphs kept per CPUKernels. A model has a handful of (type, N, K) combinations per layer kind, and
 # decode uses one token count; prefill adds one set per distinct chunk length. Each entry is ~3 KiB.
@@ -57,6 +78,9 @@ class GGMLWeight:
     `data` is the uint8, C-contiguous raw bytes (normally a view into the file's memory map); this
     object keeps it alive, so the ggml tensors that point at it stay valid while it is referenced.
     `shape` is in PyTorch order: (N, K) for a matrix, (E, N, K) for stacked experts.
+
+    `repacked` / `tiled`: how llama.cpp's CPU backend would multiply the matrix, when it does so other
+    than with ggml's plain `mul_mat` on the blocks (set by `prepare_cpu_weight`; see the module docstring).
     """
 
     data: np.ndarray
@@ -64,6 +88,8 @@ class GGMLWeight:
     shape: tuple[int, ...]
     # Address of data[0], read once here rather than on every call.
     ptr: int = field(init=False, repr=False)
+    repacked: RepackedTensor | None = field(default=None, repr=False)
+    tiled: TiledQ6K | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         qtype = GGMLQuantizationType(self.qtype)
@@ -84,6 +110,118 @@ class GGMLWeight:
                 f"{qtype.name} weight of shape {self.shape} needs {expected} bytes, got {self.data.nbytes}"
             )
         object.__setattr__(self, "ptr", int(self.data.__array_interface__["data"][0]))
+
+
+@lru_cache(maxsize=1)
+def _repack_buffer_type() -> int | None:
+    """ggml's CPU_REPACK buffer type, from the CPU device's extra buffer types (None if this build has none)."""
+    reg = ggml.ggml_backend_cpu_reg()
+    proc = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not proc:
+        return None
+    get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)
+    types = get_extra(ggml.ggml_backend_reg_dev_get(reg, 0))
+    i = 0
+    while types and types[i]:
+        if ggml.ggml_backend_buft_name(types[i]) == b"CPU_REPACK":
+            return int(types[i])
+        i += 1
+    return None
+
+
+# Activation rows of the product llama.cpp's loader asks the backend about (weight_buft_supported).
+_PROBE_ROWS = 512
+
+
+class RepackedTensor:
+    """A matrix copied into ggml's CPU_REPACK buffer, in the interleaved layout of ggml's gemm/gemv kernels.
+
+    Owns a ggml context (the tensor's metadata) and a backend buffer (the repacked bytes), both freed with
+    this object. `data`, `buffer` and `extra` are what a ggml tensor standing for it must carry: the
+    CPU backend picks the repacked kernels from the buffer's type and runs them with `extra`.
+    """
+
+    __slots__ = ("data", "buffer", "extra", "nbytes", "__weakref__")
+
+    def __init__(self, ctx: int, buffer: int, tensor: ggml.ggml_tensor_p) -> None:
+        self.buffer = buffer
+        self.data = int(tensor.contents.data)
+        self.extra = int(tensor.contents.extra)
+        self.nbytes = int(ggml.ggml_nbytes(tensor))
+        weakref.finalize(self, _free_repacked, ctx, buffer)
+
+    @classmethod
+    def create(cls, w: GGMLWeight) -> RepackedTensor | None:
+        """w repacked, or None when ggml does not repack its type and shape on this machine (or the build
+        has no CPU_REPACK buffer type): ggml decides, as llama.cpp's loader asks it."""
+        buft = _repack_buffer_type()
+        if buft is None or len(w.shape) != 2:
+            return None
+        n, k = w.shape
+        mem = ggml.ggml_tensor_overhead() * 3
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        if not ctx:
+            raise MemoryError("ggml_init failed")
+        buffer = None
+        try:
+            t = ggml.ggml_new_tensor_2d(ctx, int(w.qtype), k, n)
+            probe = ggml.ggml_mul_mat(ctx, t, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, _PROBE_ROWS))
+            buffer = ggml.ggml_backend_buft_alloc_buffer(buft, ggml.ggml_backend_buft_get_alloc_size(buft, t))
+            if not buffer:
+                raise MemoryError(f"could not allocate {ggml.ggml_nbytes(t)} bytes for a repacked weight")
+            # The buffer's init_tensor picks the repacked layout for the type and shape (extra), or none.
+            if ggml.ggml_backend_tensor_alloc(buffer, t, ggml.ggml_backend_buffer_get_base(buffer)) != 0:
+                raise MemoryError("ggml_backend_tensor_alloc failed")
+            device = ggml.ggml_backend_buft_get_device(buft)
+            if not t.contents.extra or not ggml.ggml_backend_dev_supports_op(device, probe):
+                _free_repacked(ctx, buffer)
+                return None
+            with _without_ggml_debug_log():  # ggml announces each repacked tensor at debug level
+                ggml.ggml_backend_tensor_set(t, w.ptr, 0, w.data.nbytes)  # repacks the blocks into the buffer
+        except BaseException:
+            _free_repacked(ctx, buffer)
+            raise
+        return cls(ctx, buffer, t)
+
+
+@contextmanager
+def _without_ggml_debug_log() -> Iterator[None]:
+    """ggml's debug-level messages dropped meanwhile (ggml-python's default logger prints every level to
+    stderr; llama.cpp's hides debug); the others go to the logger in place."""
+    previous = ggml.ggml_log_callback()
+    user_data = ctypes.c_void_p()
+    ggml.ggml_log_get(ctypes.byref(previous), ctypes.byref(user_data))
+
+    def log(level: int, text: bytes, _: int | None) -> None:
+        if level != ggml.GGML_LOG_LEVEL_DEBUG:
+            previous(level, text, user_data)
+
+    callback = ggml.ggml_log_callback(log)
+    ggml.ggml_log_set(callback, None)
+    try:
+        yield
+    finally:
+        ggml.ggml_log_set(previous, user_data)
+
+
+def _free_repacked(ctx: int, buffer: int | None) -> None:
+    if buffer:
+        ggml.ggml_backend_buffer_free(buffer)
+    ggml.ggml_free(ctx)
+
+
+def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
+    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the CPU_REPACK
+    buffer when ggml repacks it, else left in the memory map, with the tiled kernel's product for 8 rows
+    or more where llama.cpp's build has one for its type. Stacked experts (mul_mat_id) are left as they are.
+    """
+    if len(w.shape) != 2 or w.repacked is not None or w.tiled is not None:
+        return w
+    repacked = RepackedTensor.create(w)
+    if repacked is not None:
+        return dataclasses.replace(w, repacked=repacked)
+    tiled = tiled_product(w.data, w.qtype, w.shape)
+    return w if tiled is None else dataclasses.replace(w, tiled=tiled)
 
 
 class _Graph:
@@ -171,14 +309,22 @@ class CPUKernels:
         y = _output(out, (t, n))
         if t == 0:
             return y
-        key = (0, int(w.qtype), n, k, t)
+        if w.tiled is not None and t >= TILED_MIN_ROWS:
+            return w.tiled.matmul(x, y)
+        repacked = w.repacked
+        key = (0, int(w.qtype), n, k, t, repacked is not None)
         with self._lock:
             g = self._graphs.get(key)
             if g is None:
-                g = self._build(key, w.qtype, (k, n), (k, t), None)
+                g = self._build(key, w.qtype, (k, n), (k, t), None, repacked)
             else:
                 self._graphs.move_to_end(key)
-            g.w.data = w.ptr
+            if repacked is None:
+                g.w.data = w.ptr
+            else:  # the repacked copy: its buffer (type) selects ggml's repacked kernels, extra is their layout
+                g.w.data = repacked.data
+                g.w.buffer = repacked.buffer
+                g.w.extra = repacked.extra
             g.x.data = x.data_ptr()
             g.out.data = y.data_ptr()
             status = _graph_compute(self._backend, g.graph)
@@ -392,8 +538,13 @@ class CPUKernels:
         w_ne: tuple[int, ...],
         x_ne: tuple[int, ...],
         ids_ne: tuple[int, int] | None,
+        repacked: RepackedTensor | None = None,
     ) -> _Graph:
-        """Build and cache the graph for one problem shape (ne in ggml order). Caller holds the lock."""
+        """Build and cache the graph for one problem shape (ne in ggml order). Caller holds the lock.
+
+        With `repacked`, the weight tensor stands for repacked copies: it carries one's buffer and layout
+        from here on (so that the backend is asked about the product it will run), and each call points it
+        at the copy it multiplies."""
         if self._backend is None:
             raise RuntimeError("CPUKernels is closed")
         if not mul_mat_supported(qtype):
@@ -405,6 +556,9 @@ class CPUKernels:
             raise MemoryError("ggml_init failed")
         try:
             w_t = _new_tensor(ctx, int(qtype), w_ne)
+            if repacked is not None:
+                w_t.contents.buffer = repacked.buffer
+                w_t.contents.extra = repacked.extra
             x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, x_ne)
             if ids_ne is None:
                 ids_t = None

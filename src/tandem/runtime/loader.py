@@ -21,7 +21,7 @@ from tandem.layers.moe import RoutedExperts
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
 from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
-from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight
+from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight, prepare_cpu_weight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
 from tandem.runtime.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
 
@@ -157,12 +157,17 @@ class WeightLoader:
         return dequantize(data, info.qtype, info.shape)
 
     def linear(self, name: str) -> Linear:
+        """A matrix where the plan puts it. On the CPU of a CPU model it is held as llama.cpp's CPU backend
+        holds it (`prepare_cpu_weight`: a copy repacked for ggml's interleaved kernels where ggml repacks it,
+        else the memory map); a CPU matrix of a GPU model stays in the memory map."""
         info = self.info(name)
         device = self._device(name)
         if device.type == "cpu":
             self._record(info, info.data)
-            linear = GGMLLinear(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.kernels)
-            return linear if self.compute_device.type == "cpu" else self._boundary(HostLinear(linear))
+            weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
+            if self.compute_device.type == "cpu":  # llama.cpp's CPU backend: repacked / tiled products
+                return GGMLLinear(prepare_cpu_weight(weight), self.kernels)
+            return self._boundary(HostLinear(GGMLLinear(weight, self.kernels)))
         from tandem.cuda.qlinear import GPUQuantWeight
         from tandem.cuda.weights import DenseLinear, GPUQuantLinear
 

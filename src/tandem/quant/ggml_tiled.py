@@ -1,0 +1,214 @@
+"""llama.cpp's tiled K-quant matrix product for Q6_K weights, computed exactly in torch.
+
+llama.cpp's CPU backend (ggml-cpu/tiled, newer than tandem's ggml-python 0.0.45) multiplies a K-quant
+weight that is not repacked by 8 activation rows or more (`ggml_tiled_min_batch`) with a 256x256 tiled
+kernel instead of `vec_dot`. The kernel adds in another order, so its results differ from ggml's
+`mul_mat` by a few units in the last place: enough to change greedy tokens. tandem's ggml has no such
+kernel; `TiledQ6K` reproduces its Q6_K case bit for bit.
+
+What the kernel computes for a Q6_K weight (tiled-kernel.cpp; its AVX-512 VNNI and AVX2 variants do the
+same arithmetic for Q6_K):
+
+* the activations are quantized to Q8_K (`quantize_row_q8_K_ref`): per 256 values, int8 codes c and a
+  float32 scale d_x;
+* per weight row, activation row and 256-value block, an exact integer sum over the 16 sub-blocks:
+  s = sum_sub scale_sub * sum_e (q_e - 32) * c_e, with |s| < 2^27;
+* r = float(s) * d_w (float32), then acc = fma(r, d_x, acc), block after block from acc = 0 (a
+  multiply then an add where the build has no FMA).
+
+Here the integer sums are float64 matrix products (exact: every partial sum is an integer below 2^53)
+and the float steps are float32 ones; the fused multiply-add is rounded once (`fma32`). The result is
+llama.cpp's to the bit (scripts/llamacpp_cpu_matmul.py checks it against llama.cpp's own ggml for 8 to
+300 rows); it takes 2.5-3.5x the time of ggml's product (640 x 2048, 8 to 512 rows, 2 threads).
+
+Where: llama.cpp compiles the tiled path into x86 builds with AVX, AVX2 or AVX-512 VNNI and enables it
+unless GGML_CPU_TILED_MM is 0; `TILED_ARITHMETIC` follows ggml's own build flags and that variable (a
+native build's flags are the machine's, as llama.cpp's native build). Only Q6_K is ported; the
+kernel's other types (Q5_K, Q4_K not repacked, Q3_K, Q2_K, IQ*) still go through ggml's `mul_mat`.
+
+Memory: a weight's codes (q - 32, int8) and sub-block scales (int8) are unpacked and kept on first use:
+1.06 bytes per weight, against 0.82 for the GGUF blocks (Gemma 3 270M: 9 tensors of 640 x 2048, 12 MiB).
+A tensor whose codes would exceed `CACHE_MAX_BYTES` is unpacked again, in row chunks, on every call
+instead. Each call's float64 temporaries are bounded by `CHUNK_BYTES` (blocks and rows in chunks),
+besides the activation codes (8 bytes per activation value).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+
+import ggml
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+__all__ = ["TILED_ARITHMETIC", "TILED_MIN_ROWS", "TiledQ6K", "fma32", "quantize_q8_k", "tiled_product"]
+
+TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: the tiled kernel runs from this many activation rows
+CACHE_MAX_BYTES = 64 << 20  # a weight's unpacked codes are kept up to this size
+CHUNK_BYTES = 64 << 20  # float64 temporaries of one step of a call
+
+_QK_K = 256
+_Q6_K_BYTES = 210  # ql[128] | qh[64] | scales[16] (int8) | d (f16)
+# The 29 fraction bits a float64 has beyond a float32, and their pattern halfway between two float32 values.
+_F32_DROPPED_BITS = (1 << 29) - 1
+_F32_HALFWAY = 1 << 28
+_F32_MIN_NORMAL = 2.0**-126
+
+
+def _env_enabled(name: str) -> bool:
+    """C's `env == NULL || atoi(env) != 0`, as ggml reads GGML_CPU_TILED_MM."""
+    value = os.environ.get(name)
+    if value is None:
+        return True
+    digits = re.match(r"\s*([+-]?\d+)", value)
+    return digits is not None and int(digits.group(1)) != 0
+
+
+def _tiled_arithmetic() -> str | None:
+    """How this machine's llama.cpp build runs the tiled kernel's float steps: "fma", "mul_add", or None
+    where it has no tiled kernel (not an x86 build with AVX, or GGML_CPU_TILED_MM=0)."""
+    if not _env_enabled("GGML_CPU_TILED_MM") or not ggml.ggml_cpu_has_avx():
+        return None
+    return "fma" if ggml.ggml_cpu_has_fma() else "mul_add"
+
+
+TILED_ARITHMETIC = _tiled_arithmetic()
+
+
+def tiled_product(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> TiledQ6K | None:
+    """The tiled kernel's product for a matrix that llama.cpp's CPU backend would multiply with it, or
+    None (another type, or no tiled kernel on this machine)."""
+    if TILED_ARITHMETIC is None or qtype != GGMLQuantizationType.Q6_K or len(shape) != 2:
+        return None
+    return TiledQ6K(data, (shape[0], shape[1]), TILED_ARITHMETIC)
+
+
+def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's `quantize_row_q8_K_ref` on float32 x [T, K]: codes [T, K/256, 256] (integers as float32)
+    and scales d [T, K/256] (float32).
+
+    Per 256-block: the value of largest magnitude (the first one), iscale = -127 / that value, codes
+    nearest_int(iscale * x) capped at 127 (round half to even, as ggml's magic-number rounding), and
+    d = 1 / iscale; an all-zero block gets codes 0 and d 0."""
+    t, k = x.shape
+    blocks = x.reshape(t, k // _QK_K, _QK_K)
+    peak = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # argmax: the first of equal maxima
+    zero = peak == 0
+    # torch.div of two tensors: `number / tensor` is a reciprocal then a multiply, rounded twice.
+    iscale = torch.where(zero, 0.0, torch.div(torch.tensor(-127.0), peak))
+    codes = torch.round(iscale * blocks).clamp_(max=127)
+    d = torch.where(zero, 0.0, torch.div(torch.tensor(1.0), iscale))
+    return codes, d[..., 0]
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c with a single rounding (a fused multiply-add), for float32 tensors.
+
+    a * b is exact in float64, and so the float64 sum s is the exact sum rounded once. Rounding s again
+    to float32 gives the exact sum's float32 rounding unless s is itself halfway between two float32
+    values (a boundary of that rounding cannot lie strictly between the exact sum and its nearest
+    float64), or in float32's subnormal range, where those halfway points lie elsewhere: those few are made
+    round-to-odd first (their exact error, from TwoSum, says which neighbour), which rounds right."""
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    hard = ((s.view(torch.int64) & _F32_DROPPED_BITS) == _F32_HALFWAY) | ((s.abs() < _F32_MIN_NORMAL) & (s != 0))
+    if bool(hard.any()):
+        p, c64, sh = p[hard], c64[hard], s[hard]
+        z = sh - p
+        err = (p - (sh - z)) + (c64 - z)  # sh + err == p + c exactly
+        inexact_even = (err != 0) & ((sh.view(torch.int64) & 1) == 0)
+        odd = torch.nextafter(sh, torch.copysign(torch.full_like(sh, torch.inf), err))
+        s[hard] = torch.where(inexact_even, odd, sh)
+    return s.float()
+
+
+def _unpack_q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [n, B, 210] -> codes q - 32 [B, n, 256] int8, sub-block scales [B, n, 16] int8 and
+    d [B, n] float32 (ggml's `dequantize_row_q6_K` layout: 128-value halves, low nibbles then high
+    nibbles of ql, 2-bit fields of qh in four runs of 32)."""
+    n, nb, _ = raw.shape
+    ql = raw[..., :128].reshape(n, nb, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3).reshape(n, nb, _QK_K)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    high = ((raw[..., 128:192].reshape(n, nb, 2, 1, 32) >> shifts) & 3).reshape(n, nb, _QK_K)
+    codes = (low | (high << 4)).view(torch.int8) - 32
+    scales = raw[..., 192:208].contiguous().view(torch.int8)
+    d = raw[..., 208:210].contiguous().view(torch.float16)[..., 0].float()
+    return codes.transpose(0, 1).contiguous(), scales.transpose(0, 1).contiguous(), d.t().contiguous()
+
+
+class TiledQ6K:
+    """x @ W^T for one Q6_K weight W (N, K), as llama.cpp's tiled kernel computes it.
+
+    `data` is W's raw GGUF bytes (kept referenced, not copied); the unpacked codes are built on the first
+    call and kept when they fit `CACHE_MAX_BYTES`. Calls may come from several threads.
+    """
+
+    def __init__(self, data: np.ndarray, shape: tuple[int, int], arithmetic: str = "fma") -> None:
+        n, k = shape
+        if k % _QK_K or data.nbytes != n * (k // _QK_K) * _Q6_K_BYTES:
+            raise ValueError(f"not the bytes of a Q6_K weight of shape {shape}")
+        if arithmetic not in ("fma", "mul_add"):
+            raise ValueError(f"arithmetic must be 'fma' or 'mul_add', got {arithmetic!r}")
+        self.data = data
+        self.shape = (n, k)
+        self.arithmetic = arithmetic
+        self._parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the unpacked codes, scales and block scales (kept or rebuilt per call)."""
+        n, k = self.shape
+        return n * k + n * (k // 16) + n * (k // _QK_K) * 4
+
+    def _blocks(self, r0: int, r1: int) -> torch.Tensor:
+        n, k = self.shape
+        with warnings.catch_warnings():  # a read-only memory map: only ever read here
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.data)
+        return raw.view(n, k // _QK_K, _Q6_K_BYTES)[r0:r1]
+
+    def _rows(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes, scales and d of weight rows r0:r1 (from the cache when it is kept)."""
+        if self.cache_bytes > CACHE_MAX_BYTES:
+            return _unpack_q6_k(self._blocks(r0, r1))
+        with self._lock:
+            if self._parts is None:
+                self._parts = _unpack_q6_k(self._blocks(0, self.shape[0]))
+        codes, scales, d = self._parts
+        return codes[:, r0:r1], scales[:, r0:r1], d[:, r0:r1]
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] float32 (contiguous, CPU) -> [T, N] float32: a fresh tensor, or `out` filled."""
+        n, k = self.shape
+        t = x.shape[0]
+        y = torch.empty(t, n, dtype=torch.float32) if out is None else out
+        codes, d_x = quantize_q8_k(x)
+        codes = codes.transpose(0, 1).double()  # [B, T, 256]
+        nb = k // _QK_K
+        # Rows per step so that one block's temporaries (weights and sums, float64) fit; then blocks per step.
+        rows = n if self.cache_bytes <= CACHE_MAX_BYTES else max(16, CACHE_MAX_BYTES // (k + k // 16))
+        rows = max(1, min(rows, CHUNK_BYTES // (8 * (_QK_K + t))))
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            q, scales, d_w = self._rows(r0, r1)
+            m = r1 - r0
+            step = max(1, min(nb, CHUNK_BYTES // (8 * m * (_QK_K + t))))
+            acc = torch.zeros(t, m, dtype=torch.float32)
+            for b0 in range(0, nb, step):
+                b1 = min(nb, b0 + step)
+                w = torch.empty(b1 - b0, m, 16, 16, dtype=torch.float64)
+                w.copy_(q[b0:b1].view(b1 - b0, m, 16, 16)).mul_(scales[b0:b1].unsqueeze(-1))
+                sums = torch.bmm(codes[b0:b1], w.view(b1 - b0, m, _QK_K).transpose(1, 2))  # [b, T, m], exact
+                r = sums.float() * d_w[b0:b1].unsqueeze(1)
+                for i in range(b1 - b0):
+                    dx = d_x[:, b0 + i : b0 + i + 1]
+                    acc = fma32(r[i], dx, acc) if self.arithmetic == "fma" else acc + r[i] * dx
+            y[:, r0:r1] = acc
+        return y
