@@ -35,7 +35,8 @@ class Experts(Protocol):
 
 @dataclass
 class GGMLLinear:
-    """A CPU linear on quantized blocks through ggml's kernels (the weight stays in the mmap)."""
+    """A CPU linear on quantized blocks through ggml's kernels: the weight in the mmap, or as llama.cpp's CPU
+    backend holds it when the loader prepared it (`prepare_cpu_weight`: repacked copy, tiled Q6_K product)."""
 
     weight: GGMLWeight
     kernels: CPUKernels
