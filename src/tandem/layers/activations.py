@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Callable
 
-import ggml
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tandem.errors import UnsupportedModelError
+from tandem.quant.ggml_cpu import ggml_elementwise
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
@@ -27,23 +26,9 @@ def ggml_gelu_table() -> torch.Tensor:
     """ggml's GELU lookup table [65536] (float32 values of f16 results), indexed by the f16 bit pattern
     of the input: ggml computes it at start-up from the tanh formula and reads it through its own
     `gelu` op here, so that the entries are exactly the ones ggml uses."""
-    n = 1 << 16
-    mem = 2 * n * 2 + 4 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead() + 4096
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
-    if not ctx:
-        raise MemoryError("ggml_init failed")
-    try:
-        x = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F16, n)
-        bits = np.arange(n, dtype=np.uint16)
-        ctypes.memmove(ggml.ggml_get_data(x), bits.ctypes.data, bits.nbytes)
-        y = ggml.ggml_gelu(ctx, x)
-        graph = ggml.ggml_new_graph(ctx)
-        ggml.ggml_build_forward_expand(graph, y)
-        ggml.ggml_graph_compute_with_ctx(ctx, graph, 1)
-        ptr = ctypes.cast(ggml.ggml_get_data(y), ctypes.POINTER(ctypes.c_uint16))
-        table = np.ctypeslib.as_array(ptr, shape=(n,)).copy().view(np.float16).astype(np.float32)
-    finally:
-        ggml.ggml_free(ctx)
+    bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    (table,) = ggml_elementwise(bits, ["gelu"])
+    table = table.astype(np.float32)
     return torch.from_numpy(table)
 
 

@@ -15,13 +15,13 @@ tokens.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 
-import ggml
 import numpy as np
 import torch
+
+from tandem.quant.ggml_cpu import ggml_elementwise
 
 
 @dataclass(frozen=True)
@@ -60,30 +60,8 @@ def yarn_corr_dims(dim: int, n_ctx_orig: int, base: float, beta_fast: float, bet
 def _cos_sin_f32(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cosf/sinf of a float32 array, as ggml's CPU backend computes them (its cos/sin ops call the C
     library's cosf/sinf element by element, the functions its rope uses)."""
-    flat = np.ascontiguousarray(theta, dtype=np.float32).reshape(-1)
-    n = flat.size
-    if n == 0:
-        return flat.reshape(theta.shape).copy(), flat.reshape(theta.shape).copy()
-    mem = 3 * n * 4 + 8 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead() + 4096
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
-    if not ctx:
-        raise MemoryError("ggml_init failed")
-    try:
-        x = ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_F32, n)
-        ctypes.memmove(ggml.ggml_get_data(x), flat.ctypes.data, n * 4)
-        cos, sin = ggml.ggml_cos(ctx, x), ggml.ggml_sin(ctx, x)
-        graph = ggml.ggml_new_graph(ctx)
-        ggml.ggml_build_forward_expand(graph, cos)
-        ggml.ggml_build_forward_expand(graph, sin)
-        ggml.ggml_graph_compute_with_ctx(ctx, graph, 1)
-
-        def read(t: ggml.ggml_tensor_p) -> np.ndarray:
-            ptr = ctypes.cast(ggml.ggml_get_data(t), ctypes.POINTER(ctypes.c_float))
-            return np.ctypeslib.as_array(ptr, shape=(n,)).copy().reshape(theta.shape)
-
-        return read(cos), read(sin)
-    finally:
-        ggml.ggml_free(ctx)
+    cos, sin = ggml_elementwise(np.asarray(theta, dtype=np.float32), ["cos", "sin"])
+    return cos, sin
 
 
 def _mscale(spec: RopeSpec) -> float:

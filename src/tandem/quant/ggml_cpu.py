@@ -35,7 +35,7 @@ import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -589,6 +589,38 @@ class CPUKernels:
             _, old = self._graphs.popitem(last=False)
             ggml.ggml_free(old.ctx)
         return g
+
+
+def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
+    """ggml's unary ops (names such as "cos", "gelu") applied to x (float32 or float16, any shape) on
+    ggml's CPU backend, one thread: the exact values ggml's own kernels give (its cos/sin call the C
+    library, its gelu reads its f16 table). One result per op, in x's dtype and shape."""
+    gtype = {np.dtype(np.float32): ggml.GGML_TYPE_F32, np.dtype(np.float16): ggml.GGML_TYPE_F16}[x.dtype]
+    flat = np.ascontiguousarray(x).reshape(-1)
+    n = flat.size
+    if n == 0:
+        return [flat.reshape(x.shape).copy() for _ in ops]
+    mem = (
+        (len(ops) + 1) * flat.nbytes + (len(ops) + 4) * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead() + 4096
+    )
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    try:
+        src = ggml.ggml_new_tensor_1d(ctx, gtype, n)
+        ctypes.memmove(ggml.ggml_get_data(src), flat.ctypes.data, flat.nbytes)
+        outs = [getattr(ggml, f"ggml_{op}")(ctx, src) for op in ops]
+        graph = ggml.ggml_new_graph(ctx)
+        for out in outs:
+            ggml.ggml_build_forward_expand(graph, out)
+        ggml.ggml_graph_compute_with_ctx(ctx, graph, 1)
+        results = []
+        for out in outs:
+            buf = (ctypes.c_char * flat.nbytes).from_address(ggml.ggml_get_data(out))
+            results.append(np.frombuffer(buf, dtype=x.dtype).copy().reshape(x.shape))
+        return results
+    finally:
+        ggml.ggml_free(ctx)
 
 
 def _check_ids(ids: torch.Tensor, n_experts: int) -> None:
