@@ -314,11 +314,7 @@ class CPUKernels:
         repacked = w.repacked
         key = (0, int(w.qtype), n, k, t, repacked is not None)
         with self._lock:
-            g = self._graphs.get(key)
-            if g is None:
-                g = self._build(key, w.qtype, (k, n), (k, t), None, repacked)
-            else:
-                self._graphs.move_to_end(key)
+            g = self._cached(key, lambda: self._build(key, w.qtype, (k, n), (k, t), None, repacked))
             if repacked is None:
                 g.w.data = w.ptr
             else:  # the repacked copy: its buffer (type) selects ggml's repacked kernels, extra is their layout
@@ -327,10 +323,8 @@ class CPUKernels:
                 g.w.extra = repacked.extra
             g.x.data = x.data_ptr()
             g.out.data = y.data_ptr()
-            status = _graph_compute(self._backend, g.graph)
+            self._compute(g.graph)
         # x, y and w were referenced by locals throughout the (synchronous) compute.
-        if status != 0:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
         return y
 
     def mul_mat_id(
@@ -366,19 +360,13 @@ class CPUKernels:
         _check_ids(ids, e)
         key = (1, int(w.qtype), e, n, k, t, a, x_slots)
         with self._lock:
-            g = self._graphs.get(key)
-            if g is None:
-                g = self._build(key, w.qtype, (k, n, e), (k, x_slots, t), (a, t))
-            else:
-                self._graphs.move_to_end(key)
+            g = self._cached(key, lambda: self._build(key, w.qtype, (k, n, e), (k, x_slots, t), (a, t)))
             assert g.ids is not None
             g.w.data = w.ptr
             g.x.data = x.data_ptr()
             g.ids.data = ids.data_ptr()
             g.out.data = y.data_ptr()
-            status = _graph_compute(self._backend, g.graph)
-        if status != 0:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
+            self._compute(g.graph)
         return y
 
     def gated_experts(
@@ -439,9 +427,7 @@ class CPUKernels:
             with self._lock:  # the cached graph may serve several layers: point it at this one's buffers
                 for tensor, ptr in pointers:
                     tensor.data = ptr
-                status = _graph_compute(self._backend, g.graph)
-            if status != 0:
-                raise RuntimeError(f"ggml graph compute failed with status {status}")
+                self._compute(g.graph)
 
         return run
 
@@ -530,6 +516,21 @@ class CPUKernels:
             pass
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _cached(self, key: tuple[int, ...], build: Callable[[], _Graph]) -> _Graph:
+        """The one-node graph of `key` (built on first use; least recently used first out). Caller holds
+        the lock."""
+        g = self._graphs.get(key)
+        if g is None:
+            return build()
+        self._graphs.move_to_end(key)
+        return g
+
+    def _compute(self, graph: int) -> None:
+        """Run a graph whose tensors point at the caller's buffers. Caller holds the lock."""
+        status = _graph_compute(self._backend, graph)
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
 
     def _build(
         self,
