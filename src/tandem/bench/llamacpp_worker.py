@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -252,9 +251,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown (module GC, the CUDA context's orderly release): the OS frees the
-    # process's memory anyway, and the orchestrator waits for the exit before starting the next worker.
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    protocol.exit_worker(main)

@@ -19,13 +19,11 @@ Exit status 0 with a result line, else non-zero with the error on stderr.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.bench.protocol import RepClock, emit_rep, emit_result, maybe_inject, peak_rss_bytes, prompt_ids
+from tandem.bench.protocol import RepClock, emit_rep, emit_result, exit_worker, maybe_inject, peak_rss_bytes, prompt_ids
 from tandem.cli.main import int_list
 
 
@@ -169,9 +167,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown (module GC, the CUDA context's orderly release): the OS frees the
-    # process's memory anyway, and the orchestrator waits for the exit before starting the next worker.
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_worker(main)
