@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -77,15 +78,38 @@ class Attention:
         v = k if self.v is None else self.v(x).view(t, s.n_kv_heads, s.value_dim)
         if self.v_norm:
             v = rms_norm(v, torch.ones((), dtype=torch.float32, device=v.device), self.norm_eps)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.norm_eps)
-        if self.k_norm is not None:
-            k = rms_norm(k, self.k_norm, self.norm_eps)
-        q = self.rope.apply(q, positions)
-        k = self.rope.apply(k, positions)
-        keys, values = cache.store(start, k, v, positions)  # [S, G, D]
-        out = attend(q, keys, values, positions, s, self.sinks)  # [T, H, Dv]
+        out = normed_rotated_attend(self, q, k, v, positions, cache, start, self.sinks)  # [T, H, Dv]
         return self.o(out.reshape(t, s.n_heads * s.value_dim))
+
+
+class _QKNormed(Protocol):
+    shape: AttentionShape
+    rope: Rope
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    norm_eps: float
+
+
+def normed_rotated_attend(
+    layer: _QKNormed,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cache: LayerKV,
+    start: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """From fresh projections q [T, H, D], k [T, G, D], v [T, G, Dv]: the layer's q/k norms and rope, k and v
+    into the cache, attention over it -> [T, H, Dv]. Shared by the attention layers."""
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, layer.norm_eps)
+    if layer.k_norm is not None:
+        k = rms_norm(k, layer.k_norm, layer.norm_eps)
+    q = layer.rope.apply(q, positions)
+    k = layer.rope.apply(k, positions)
+    keys, values = cache.store(start, k, v, positions)  # [S, G, D]
+    return attend(q, keys, values, positions, layer.shape, sinks)
 
 
 def attend(

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.attention import AttentionShape, attend
+from tandem.layers.attention import AttentionShape, normed_rotated_attend
 from tandem.layers.linear import Linear
-from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
 from tandem.runtime.kv_cache import LayerKV
 
@@ -46,12 +45,5 @@ class GatedAttention:
         gate = qg[:, :, 1].reshape(t, s.n_heads * s.head_dim)
         k = self.k(x).view(t, s.n_kv_heads, s.head_dim)
         v = self.v(x).view(t, s.n_kv_heads, s.value_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.norm_eps)
-        if self.k_norm is not None:
-            k = rms_norm(k, self.k_norm, self.norm_eps)
-        q = self.rope.apply(q, positions)
-        k = self.rope.apply(k, positions)
-        keys, values = cache.store(start, k, v, positions)  # [S, G, D]
-        out = attend(q, keys, values, positions, s).reshape(t, s.n_heads * s.value_dim)  # [T, H*D]
+        out = normed_rotated_attend(self, q, k, v, positions, cache, start).reshape(t, s.n_heads * s.value_dim)
         return self.o(out * torch.sigmoid(gate.float()).to(out.dtype))
