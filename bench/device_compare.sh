@@ -32,11 +32,14 @@
 #   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
-#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; log in $OUT/pytest_gpu.log)
+#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log)
 #   PREWARM=1 (default; 0: off) one untimed `tandem bench --tg 4 --reps 1` per synthesised model while the
 #     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
 #   LLAMA_JOBS=12 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
+#   SAVE_PEER=1 (bring the llama.cpp build back as $OUT/llama_cpp_cuda.tgz.* parts; put them in PEER_CACHE,
+#     default .peers/, and later calls unpack them instead of compiling: both models then fit one call)
+#   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
 t0=$(date +%s)
@@ -58,6 +61,7 @@ DEADLINE_S="${DEADLINE_S:-570}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
+PEER_CACHE="${PEER_CACHE:-$repo/.peers}"
 
 main() {  # the whole run; its output goes to the terminal and to $OUT/device_compare.log (see the end)
 elapsed() { echo $(( $(date +%s) - t0 )); }
@@ -74,6 +78,12 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   # diskcache inside the peer's target too, so build_llamacpp.sh does not reach for the (absent) network.
   mkdir -p "$PEER_LIB"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$PEER_LIB" .whl/diskcache-*.whl
+  # A build brought back from an earlier call (SAVE_PEER=1) and carried in $PEER_CACHE: unpacked, the build
+  # script finds it (same flags) and skips the ~5-minute compile.
+  if ls "$PEER_CACHE"/llama_cpp_cuda.tgz.* >/dev/null 2>&1; then
+    mkdir -p "$(dirname "$PEER_LIB")"
+    cat "$PEER_CACHE"/llama_cpp_cuda.tgz.* | tar -xz -C "$(dirname "$PEER_LIB")" && say "llama-cpp-python: unpacked the carried build"
+  fi
   say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
   TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-12}" \
     SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB" \
@@ -122,9 +132,10 @@ fi
 
 if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
   say "pytest -m gpu"
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py tests/test_gpu_offload.py >"$OUT/pytest_gpu.log" 2>&1
-  say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
-  grep -E "relative L2|^FAILED" "$OUT/pytest_gpu.log" | head -20
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py tests/test_gpu_offload.py >/tmp/pytest_gpu.log 2>&1
+  say "pytest -m gpu: exit $? ($(grep -E "passed|failed" /tmp/pytest_gpu.log | tail -1))"
+  grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
+  grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/short test summary/p' /tmp/pytest_gpu.log | tail -80
 fi
 
 if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu ]]; then  # Triton's compiles and autotuning, while the build runs
@@ -137,9 +148,21 @@ if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu ]]; then  # Triton's compiles and
   say "prewarm done"
 fi
 
+if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # untimed: the kernel order only
+  say "kernel trace of one decode step (cpu-moe, all), while the build runs"
+  "$PY" bench/profile_step.py "${early[0]}" -t "$THREADS" --tg 8 --placements cpu-moe,all --trace "$OUT/trace.txt" \
+    >/tmp/trace_profile.log 2>&1 || { say "trace FAILED"; tail -20 /tmp/trace_profile.log; }
+  grep -E "^==|one decode step" "$OUT/trace.txt" 2>/dev/null
+fi
+
 if [[ -n "$llama_pid" ]]; then
   wait "$llama_pid" && say "llama-cpp-python built" || { say "llama-cpp-python build FAILED"; tail -40 /tmp/llama_build.log; }
   grep -E "built in|already in" /tmp/llama_build.log | tail -1
+  if [[ "${SAVE_PEER:-0}" == 1 && ! -n "$(ls "$PEER_CACHE"/llama_cpp_cuda.tgz.* 2>/dev/null)" ]]; then
+    # 15 MiB parts: a file that comes back from the device is at most 16 MiB
+    tar -cz -C "$(dirname "$PEER_LIB")" "$(basename "$PEER_LIB")" | split -b 15m - "$OUT/llama_cpp_cuda.tgz."
+    say "saved the build: $(ls "$OUT"/llama_cpp_cuda.tgz.* | wc -l) parts, $(du -ch "$OUT"/llama_cpp_cuda.tgz.* | tail -1 | cut -f1)"
+  fi
 fi
 
 # -- 2. the matrix, model by model --------------------------------------------------------------------------

@@ -110,6 +110,29 @@ def _profile_decode(llm: tandem.LLM, steps: int = 8, rows: int = 14) -> str:
     )
 
 
+def _kernel_trace(llm: tandem.LLM) -> str:
+    """The GPU kernels and copies of ONE decode step, in the order they ran, with their durations: what a
+    fused kernel would replace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    logits = engine.feed(list(range(100, 164)))
+    for _ in range(2):
+        logits = engine.append([int(torch.argmax(logits))])
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.append([int(torch.argmax(logits))])
+        _sync()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    total = sum(e.time_range.elapsed_us() for e in kernels)
+    lines = [f"one decode step: {len(kernels)} GPU kernels/copies, {total / 1e3:.2f} ms of GPU time"]
+    lines += [f"{e.time_range.elapsed_us():8.1f} us  {e.name[:110]}" for e in kernels]
+    return "\n".join(lines)
+
+
 def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
     """The first CPU-resident layer's fused expert FFN at one token, alone, per thread count."""
     from tandem.quant.ggml_cpu import CPUKernels
@@ -150,6 +173,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=512)
     p.add_argument("--tg", type=int, default=64)
     p.add_argument("--floor-threads", default="8,12,16")
+    p.add_argument("--trace", help="append each placement's one-step kernel sequence to this file")
     a = p.parse_args()
     summary = []
     for name in a.placements.split(","):
@@ -175,6 +199,9 @@ def main() -> None:
                     print("   " + floor)
             print(_profile_prefill(llm, a.pp))
             print(_profile_decode(llm))
+            if a.trace:
+                with open(a.trace, "a") as f:
+                    f.write(f"== {name}: " + _kernel_trace(llm) + "\n")
             summary.append(line)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
