@@ -21,13 +21,13 @@
 # runs into the time the others need (see src/tandem/bench/compare.py). A tandem process pays Triton's
 # autotuning in its warm-up unless the cache has it (TRITON_CACHE_AUTOTUNING=1, filled by PREWARM): some
 # 10-20 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
-# Measured (2026-11-30 08:45, one model, LLAMA_JOBS=16, PREWARM on): ggml-python 40 s, synth 25 s, prewarm
-# 98 s (during the build, slowing it), llama.cpp build done at 346 s; tandem's --cpu-moe row then took
-# ~30 s (load 3.4 s, warm-up 2.6 s, 3 repetitions). Two models with all six rows each need about 650 s:
-# until the build gets shorter, run one model per device call (MODELS=...), DEADLINE_S=570.
+# Measured (2026-11-30 09:52, one model, LLAMA_JOBS=16, GPU tests and prewarm during the build): ggml-python
+# 34 s, synth 19 s, llama.cpp built in 258 s (done at 356 s); the six rows of qwen3-30b-a3b (3 reps each)
+# then took 89 s. Two models fit one call (~550 s); a third needs GPU_TESTS=0 and a shorter matrix.
 #
 # Knobs (environment):
-#   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets;  MODEL_FILES="a.gguf b.gguf" uses files instead
+#   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets, each optionally NAME:MATRIX (its own matrix, e.g.
+#     gemma4-26b-a4b:cpu-moe,all);  MODEL_FILES="a.gguf b.gguf" uses files instead
 #   MATRIX=cpu-moe,n-cpu-moe=half,all  PP=512 (e.g. 512,2048: more time)  TG=128  REPS=3  THREADS=16  DEVICE=cuda
 #   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
@@ -35,10 +35,8 @@
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log)
 #   PREWARM=1 (default; 0: off) one untimed `tandem bench --tg 4 --reps 1` per synthesised model while the
 #     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
-#   LLAMA_JOBS=12 (the llama.cpp build's parallel jobs)
+#   LLAMA_JOBS=16 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
-#   SAVE_PEER=1 (bring the llama.cpp build back as $OUT/llama_cpp_cuda.tgz.* parts; put them in PEER_CACHE,
-#     default .peers/, and later calls unpack them instead of compiling: both models then fit one call)
 #   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
@@ -61,7 +59,6 @@ DEADLINE_S="${DEADLINE_S:-570}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
-PEER_CACHE="${PEER_CACHE:-$repo/.peers}"
 
 main() {  # the whole run; its output goes to the terminal and to $OUT/device_compare.log (see the end)
 elapsed() { echo $(( $(date +%s) - t0 )); }
@@ -78,14 +75,8 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   # diskcache inside the peer's target too, so build_llamacpp.sh does not reach for the (absent) network.
   mkdir -p "$PEER_LIB"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$PEER_LIB" .whl/diskcache-*.whl
-  # A build brought back from an earlier call (SAVE_PEER=1) and carried in $PEER_CACHE: unpacked, the build
-  # script finds it (same flags) and skips the ~5-minute compile.
-  if ls "$PEER_CACHE"/llama_cpp_cuda.tgz.* >/dev/null 2>&1; then
-    mkdir -p "$(dirname "$PEER_LIB")"
-    cat "$PEER_CACHE"/llama_cpp_cuda.tgz.* | tar -xz -C "$(dirname "$PEER_LIB")" && say "llama-cpp-python: unpacked the carried build"
-  fi
   say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
-  TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-12}" \
+  TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-16}" \
     SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB" \
     >/tmp/llama_build.log 2>&1 &
   llama_pid=$!
@@ -122,7 +113,7 @@ read -r -a files <<<"${MODEL_FILES:-}"
 building() { [[ -n "$llama_pid" ]] && kill -0 "$llama_pid" 2>/dev/null; }
 early=()  # models made while llama.cpp builds: the first always, the others while the folder has room
 if [[ ${#files[@]} -eq 0 ]]; then
-  for m in "${models[@]}"; do
+  for m in "${models[@]%%:*}"; do
     free_kb=$(df -Pk "$MODEL_DIR" | awk 'NR==2 {print $4}')
     if (( ${#early[@]} > 0 )) && { ! building || (( free_kb < 30 * 1024 * 1024 )); }; then break; fi
     say "synth $m"
@@ -158,11 +149,6 @@ fi
 if [[ -n "$llama_pid" ]]; then
   wait "$llama_pid" && say "llama-cpp-python built" || { say "llama-cpp-python build FAILED"; tail -40 /tmp/llama_build.log; }
   grep -E "built in|already in" /tmp/llama_build.log | tail -1
-  if [[ "${SAVE_PEER:-0}" == 1 && ! -n "$(ls "$PEER_CACHE"/llama_cpp_cuda.tgz.* 2>/dev/null)" ]]; then
-    # 15 MiB parts: a file that comes back from the device is at most 16 MiB
-    tar -cz -C "$(dirname "$PEER_LIB")" "$(basename "$PEER_LIB")" | split -b 15m - "$OUT/llama_cpp_cuda.tgz."
-    say "saved the build: $(ls "$OUT"/llama_cpp_cuda.tgz.* | wc -l) parts, $(du -ch "$OUT"/llama_cpp_cuda.tgz.* | tail -1 | cut -f1)"
-  fi
 fi
 
 # -- 2. the matrix, model by model --------------------------------------------------------------------------
@@ -171,7 +157,9 @@ targets=("${files[@]}")
 n_targets=${#targets[@]}
 status=0
 for k in "${!targets[@]}"; do
-  target=${targets[$k]}
+  target=${targets[$k]%%:*}
+  matrix=$MATRIX
+  [[ ${targets[$k]} == *:* ]] && matrix=${targets[$k]#*:}
   if [[ ${#files[@]} -eq 0 ]]; then
     [[ -f "$MODEL_DIR/$target.gguf" ]] || say "synth $target"
     model=$(synth "$target") || { status=1; continue; }
@@ -187,7 +175,7 @@ for k in "${!targets[@]}"; do
   say "bench $name: $share s (budget $budget s)"
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
-    --matrix "$MATRIX" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
+    --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
     --timeout "$budget" --budget "$budget" --report "$OUT/$name" >"/tmp/bench_$name.out"
   rc=$?
   say "bench $name: exit $rc"
@@ -201,7 +189,7 @@ ls -R "$OUT"
 # The summary, last: each model's table (engine x placement: pp, tg, VRAM, ratio), from its report.md.
 echo
 echo "== summary: pp $PP, tg $TG, $REPS reps (median), threads $THREADS, device $DEVICE; $(elapsed) s in all =="
-for target in "${targets[@]}"; do
+for target in "${targets[@]%%:*}"; do
   name=$target
   [[ ${#files[@]} -eq 0 ]] || name=$(basename "$target" .gguf)
   echo "-- $name"
