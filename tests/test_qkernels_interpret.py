@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton", reason="triton is a dev dependency (pip i
 if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
     pytest.skip("the interpreter run is for machines without a GPU; see tests/test_gpu.py", allow_module_level=True)
 
+from tandem.cuda import qkernels as qk
 from tandem.cuda.qlinear import GPUQuantWeight, qmatmul, qmatmul_id
 
 TYPES = [gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")]
@@ -54,6 +55,43 @@ def test_selected_experts(qtype: gguf.GGMLQuantizationType) -> None:
             xs = x.double()[:, None, :].expand(t, a, k) if x.dim() == 2 else x.double()
             ref = torch.einsum("tak,tank->tan", xs, ref_w[ids])
             assert _rel(qmatmul_id(x, w, ids, ieee=True), ref) < REL_TOL, (t, a, x.dim())
+
+
+def _qmv(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor | None, bn: int, sb: int) -> torch.Tensor:
+    """`_qmv` with one configuration (BN rows, SB superblocks per step), past the autotuner: y [R, N] f32 for
+    x [T, K] (shared by the A slots of a token: R = T * A) or [R, K], ids [T, A] or None (R = T)."""
+    n, k = w.n_out, w.n_in
+    r = x.shape[0] if ids is None else ids.numel()
+    x_div = r // x.shape[0]
+    y = torch.empty(r, n)
+    flat = torch.zeros(1, dtype=torch.int64) if ids is None else ids.reshape(-1)
+    qk._qmv.fn[(triton.cdiv(n, bn), r)](
+        w.data, x, y, flat, n, k, w.row_bytes, w.expert_bytes if ids is not None else 0, x_div, x.stride(0),
+        y.stride(0), QT=int(w.qtype), HAS_IDS=ids is not None, BN=bn, SB=sb,
+    )  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_gemv_configurations(qtype: gguf.GGMLQuantizationType) -> None:
+    """The decode GEMV's tile shapes: one row per program and several (N = 6: the last program of 4 rows
+    partly past N), loop steps partly past K (3 superblocks, or 17 32-value blocks, in steps of 2), x in f32,
+    bf16 and f16 (read in pairs of values), selected experts with x shared or per slot."""
+    rng = np.random.default_rng(300 + int(qtype))
+    e, n, k = 3, 6, 768 if qtype in TYPES[3:] else 544
+    raw = random_blocks(qtype, (e, n, k), rng)
+    ref_w = torch.from_numpy(np.stack([gguf.quants.dequantize(raw[i], qtype) for i in range(e)])).double()
+    experts = GPUQuantWeight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (e, n, k))
+    plain = GPUQuantWeight(experts.data[: experts.expert_bytes], qtype, (n, k))
+    x = torch.randn(1, k)
+    for dtype, bn in ((torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 4), (torch.float16, 4)):
+        xd = x.to(dtype)
+        assert _rel(_qmv(plain, xd, None, bn, 2), xd.double() @ ref_w[0].T) < REL_TOL, (dtype, bn)
+    ids = torch.tensor([[2, 0]])
+    for xe in (x, torch.randn(2, k)):  # shared by the token's two slots, or one row per slot
+        xs = xe.double().expand(2, k) if xe.shape[0] == 1 else xe.double()
+        ref = torch.einsum("rk,rnk->rn", xs, ref_w[ids.reshape(-1)])
+        assert _rel(_qmv(experts, xe, ids, 4, 2), ref) < REL_TOL, xe.shape
 
 
 class _ChunkStream:

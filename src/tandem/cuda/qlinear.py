@@ -93,7 +93,7 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
     """x [M, K] @ W^T -> [M, N] in x's dtype."""
     m, k = x.shape
     assert k == w.n_in, (x.shape, w.shape)
-    x = x.contiguous()
+    x = _aligned(x)
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
     if m > QMV_MAX_ROWS:  # dequantize a bounded slice of rows at a time, multiply with cuBLAS
         dtype = torch.float32 if ieee else torch.bfloat16
@@ -105,7 +105,7 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
         return y
     grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
     qk._qmv[grid](
-        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), HAS_IDS=False, **_sub(w.qtype)
+        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), QT=int(w.qtype), HAS_IDS=False
     )  # fmt: skip
     return y
 
@@ -115,7 +115,7 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
     t, a = ids.shape
     k, n = w.n_in, w.n_out
     x_div = a if x.dim() == 2 else 1
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = _aligned(x.reshape(-1, k))
     flat = ids.reshape(-1).contiguous()  # int32 or int64: the kernels read either
     r = flat.numel()
     y = torch.empty(r, n, dtype=x.dtype, device=x.device)
@@ -125,7 +125,7 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
         grid = lambda meta: (triton.cdiv(n, meta["BN"]), r)  # noqa: E731
         qk._qmv[grid](
             w.data, x2, y, flat, n, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),
-            HAS_IDS=True, **_sub(w.qtype),
+            QT=int(w.qtype), HAS_IDS=True,
         )  # fmt: skip
         return y.view(t, a, n)
     n_experts = w.shape[0]
@@ -148,6 +148,12 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
         if tile_end[c1] > tile_end[c0]:
             launch(blocks, tile_end[c0], c0, tile_end[c1] - tile_end[c0])
     return y.view(t, a, n)
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and 16-byte aligned: `_qmv` reads x in 32- or 64-bit pairs of values."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 def _tile_rows(n_slots: int, n_experts: int) -> int:
