@@ -102,12 +102,8 @@ def normed_rotated_attend(
 ) -> torch.Tensor:
     """From fresh projections q [T, H, D], k [T, G, D], v [T, G, Dv]: the layer's q/k norms and rope, k and v
     into the cache, attention over it -> [T, H, Dv]. Shared by the attention layers."""
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, layer.norm_eps)
-    if layer.k_norm is not None:
-        k = rms_norm(k, layer.k_norm, layer.norm_eps)
-    q = layer.rope.apply(q, positions)
-    k = layer.rope.apply(k, positions)
+    q = layer.rope.apply(q, positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel per tensor on CUDA
+    k = layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps)
     keys, values = cache.store(start, k, v, positions)  # [S, G, D]
     return attend(q, keys, values, positions, layer.shape, sinks)
 
@@ -123,6 +119,10 @@ def attend(
     """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D].
 
     `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing."""
+    if q.is_cuda and q.shape[0] == 1:  # decoding: one kernel pair reads p on the device, builds no mask
+        from tandem.cuda.decode_attention import decode_attention
+
+        return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     key_pos = torch.arange(n_keys, device=q.device)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.layers.norm import rms_norm
 from tandem.quant.ggml_cpu import ggml_elementwise
 
 
@@ -132,22 +133,29 @@ class Rope:
         self._cos = torch.from_numpy(cos).to(self.device)
         self._sin = torch.from_numpy(sin).to(self.device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, Dh] at integer `positions` [T]."""
+    def apply(
+        self, x: torch.Tensor, positions: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
+    ) -> torch.Tensor:
+        """Rotate x [T, H, Dh] at integer `positions` [T], after an RMSNorm of each head by weight `norm`
+        [Dh] when given (q/k norms). On CUDA one Triton kernel does both, with no rounding in between."""
         if self._cos.device != positions.device or self._cos.shape[0] == 0:
             self.reserve(int(positions.max().item()) + 1, positions.device)
+        if x.is_cuda:
+            from tandem.cuda.norm_rope import rope_rows
+
+            return rope_rows(x, positions, self._cos, self._sin, norm, eps)
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, half]
         sin = self._sin[positions].unsqueeze(1)
         half = self.spec.dim // 2
         x1 = x[..., :half].float()
         x2 = x[..., half : self.spec.dim].float()
-        if x.is_cuda:
-            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        else:  # fma(x1, cos, -(x2*sin)) and fma(x1, sin, x2*cos), as ggml's CPU rope is compiled
-            x1d = x1.double()
-            first = x1d * cos.double() - (x2 * sin).double()
-            second = x1d * sin.double() + (x2 * cos).double()
-            rotated = torch.cat([first, second], dim=-1).float().to(x.dtype)
+        # fma(x1, cos, -(x2*sin)) and fma(x1, sin, x2*cos), as ggml's CPU rope is compiled
+        x1d = x1.double()
+        first = x1d * cos.double() - (x2 * sin).double()
+        second = x1d * sin.double() + (x2 * cos).double()
+        rotated = torch.cat([first, second], dim=-1).float().to(x.dtype)
         if self.spec.dim == x.shape[-1]:
             return rotated
         return torch.cat([rotated, x[..., self.spec.dim :]], dim=-1)

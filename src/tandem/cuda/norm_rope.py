@@ -1,0 +1,129 @@
+"""Triton kernels for RMSNorm and rotary embeddings: one launch each where torch takes 3 to 10.
+
+- `_rms_norm`: one row of the last dimension per program, f32 arithmetic, output in the input's dtype;
+- `_rope`: one head of one token per program (NEOX pairs (i, i + dim/2)), optionally after a per-head RMSNorm
+  (q/k norms), cos/sin gathered at the token's position read on the device, so a captured CUDA graph
+  replays with new positions.
+
+Both read strided inputs (views) directly and write contiguous outputs. They run on whatever device the
+tensors are on, so Triton's interpreter (tests without a GPU) runs the same wrappers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Widest row chunk a norm program holds in registers; longer rows take two passes over chunks.
+_MAX_BLOCK = 4096
+
+
+@triton.jit
+def _inv_rms(sum_sq, n, eps):
+    """1 / sqrt(mean + eps), correctly rounded (as the CPU path's sqrtf and division)."""
+    return tl.div_rn(1.0, tl.sqrt_rn(sum_sq / n + eps))
+
+
+@triton.jit
+def _rms_norm(
+    x_ptr, w_ptr, out_ptr, n_cols, stride_row, stride_col, w_stride, eps, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """out[row] = x[row] / rms(x[row]) * w (rows of n_cols values, x strided, out contiguous)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_row
+    out_row = out_ptr + row * n_cols
+    cols = tl.arange(0, BLOCK)
+    if N_CHUNKS == 1:  # the row stays in registers: one read
+        mask = cols < n_cols
+        x = tl.load(x_row + cols * stride_col, mask=mask, other=0.0).to(tl.float32)
+        scale = _inv_rms(tl.sum(x * x, axis=0), n_cols, eps)
+        w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_row + cols, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(N_CHUNKS):
+            offs = c * BLOCK + cols
+            x = tl.load(x_row + offs * stride_col, mask=offs < n_cols, other=0.0).to(tl.float32)
+            acc += x * x
+        scale = _inv_rms(tl.sum(acc, axis=0), n_cols, eps)
+        for c in range(N_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < n_cols
+            x = tl.load(x_row + offs * stride_col, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs * w_stride, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + offs, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope(
+    x_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, head_dim, stride_t, stride_h, stride_d, w_stride, eps,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """out[t, h] = rotate(norm?(x[t, h])) at pos[t]; one (token, head) per program."""
+    # Every lane d computes x[d] * cos + x[partner] * (+-sin): lanes past the rotated 2 * HALF get cos 1,
+    # sin 0 and pass through (partial rotary).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    in_head = d < head_dim
+    rotated = d < 2 * HALF
+    first = d < HALF
+    pair = tl.where(first, d, d - HALF)
+    partner = tl.where(first, d + HALF, d - HALF)
+    x_head = x_ptr + t * stride_t + h * stride_h
+    x = tl.load(x_head + d * stride_d, mask=in_head, other=0.0).to(tl.float32)
+    xp = tl.load(x_head + partner * stride_d, mask=rotated, other=0.0).to(tl.float32)
+    if NORM:
+        scale = _inv_rms(tl.sum(x * x, axis=0), head_dim, eps)
+        x = x * scale * tl.load(w_ptr + d * w_stride, mask=in_head, other=0.0).to(tl.float32)
+        xp = xp * scale * tl.load(w_ptr + partner * w_stride, mask=rotated, other=0.0).to(tl.float32)
+    table = tl.load(pos_ptr + t).to(tl.int64) * HALF + pair
+    cos = tl.load(cos_ptr + table, mask=rotated, other=1.0)
+    sin = tl.load(sin_ptr + table, mask=rotated, other=0.0)
+    out = x * cos + xp * tl.where(first, -sin, sin)  # x1*cos - x2*sin | x2*cos + x1*sin
+    tl.store(out_ptr + (t * tl.num_programs(1) + h) * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=in_head)
+
+
+def _w_stride(w: torch.Tensor) -> int:
+    return 0 if w.numel() == 1 else w.stride(-1)  # a scalar weight (0-dim or [1]) is broadcast
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in f32, returned in x's dtype.
+
+    weight: [D] or a scalar tensor (0-dim or [1]) of any float dtype."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)  # a view whenever the leading dimensions merge
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), _MAX_BLOCK)
+    _rms_norm[(rows.shape[0],)](
+        rows, weight, out, n, rows.stride(0), rows.stride(1), _w_stride(weight), eps,
+        BLOCK=block, N_CHUNKS=triton.cdiv(n, block), num_warps=max(1, min(8, block // 512)),
+    )  # fmt: skip
+    return out
+
+
+def rope_rows(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """NEOX rotation of x [T, H, Dh] at `positions` [T] (a device tensor, never read on the host), with
+    contiguous f32 tables cos/sin [P, dim/2] (dim <= Dh: the dimensions past dim pass through; positions
+    must lie in the tables: nothing checks them on the device), in x's dtype.
+
+    norm: an RMSNorm weight [Dh] (or scalar) applied per head before rotating, in f32 (no rounding between)."""
+    t, h, dh = x.shape
+    half = cos.shape[1]
+    out = torch.empty((t, h, dh), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(dh)
+    w = x if norm is None else norm  # any pointer when there is no norm
+    _rope[(t, h)](
+        x, positions, cos, sin, w, out, dh, *x.stride(), 0 if norm is None else _w_stride(norm), eps,
+        HALF=half, BLOCK=block, NORM=norm is not None, num_warps=max(1, block // 256),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,111 @@
+"""RMSNorm and rope kernels on the device (`pytest -m gpu`): against float64 references, against the CPU
+path, and replayed in a CUDA graph with new positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.norm import rms_norm
+from tandem.layers.rope import Rope, RopeSpec, YarnSpec
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m gpu on the device)"),
+]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# f16 has 11 significant bits, bf16 8: one ulp of the result (f32: 1e-6 relative).
+_BITS = {torch.float16: 11, torch.bfloat16: 8}
+
+
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def ref_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NEOX rotation in float64 of x [T, H, Dh] over the first 2 * cos.shape[1] dimensions."""
+    half = cos.shape[1]
+    c, s = cos[pos].double().unsqueeze(1), sin[pos].double().unsqueeze(1)  # [T, 1, half]
+    x = x.double()
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half :]], dim=-1)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (y.double() - ref.double()).abs()
+    floor = 1e-6 * ref.abs().max()
+    if y.dtype == torch.float32:
+        bound = torch.clamp(1e-6 * ref.abs(), min=floor)
+    else:
+        _, e = torch.frexp(ref.double())
+        bound = torch.clamp(torch.ldexp(torch.ones_like(err), e - _BITS[y.dtype]), min=floor)
+    assert bool((err <= bound).all()), f"max excess {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm(dtype: torch.dtype) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, d in ((1, 4096), (5, 2880), (3, 8192 + 64), (64, 128)):  # one pass, padded, chunked, per head
+        x = torch.randn(rows, d, device="cuda", generator=g).to(dtype)
+        for w in (torch.randn(d, device="cuda", generator=g), torch.ones((), device="cuda")):
+            y = rms_norm(x, w, 1e-6)
+            assert y.dtype == dtype and y.shape == x.shape
+            assert_close(y, ref_rms_norm(x, w, 1e-6))
+    qkv = torch.randn(4, 3 * 8 * 128, device="cuda", generator=g).to(dtype)
+    v = qkv.view(4, 3, 8, 128)[:, 2]  # a strided view, as a slice of a fused projection
+    assert_close(rms_norm(v, torch.ones((), device="cuda"), 1e-6), ref_rms_norm(v, torch.ones(()), 1e-6))
+
+
+SPECS = {
+    "full": (RopeSpec(base=1e4, dim=128), 128),
+    "partial": (RopeSpec(base=1e7, dim=64), 256),
+    "d512": (RopeSpec(base=1e6, dim=512), 512),
+    "yarn": (RopeSpec(base=15e4, dim=64, scale=1 / 32, yarn=YarnSpec(n_ctx_orig=4096)), 64),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", SPECS)
+def test_rope(name: str, dtype: torch.dtype) -> None:
+    spec, head_dim = SPECS[name]
+    rope = Rope(spec, "cuda")
+    rope.reserve(4096, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pos = torch.tensor([0, 1, 2000, 4095], device="cuda")
+    x = torch.randn(4, 6, head_dim, device="cuda", generator=g).to(dtype)
+    cos, sin = rope._cos, rope._sin
+    assert_close(rope.apply(x, pos), ref_rope(x, pos, cos, sin))
+    w = torch.randn(head_dim, device="cuda", generator=g)
+    assert_close(rope.apply(x, pos, w, 1e-6), ref_rope(ref_rms_norm(x, w, 1e-6), pos, cos, sin))
+    if dtype == torch.float32:  # the CPU path (ggml's rounding) agrees to f32 rounding
+        cpu = Rope(spec).apply(x.cpu(), pos.cpu())
+        assert_close(rope.apply(x, pos).cpu(), cpu.double())
+
+
+def test_rope_in_cuda_graph() -> None:
+    """The decode step is captured once and replayed with new positions, read on the device."""
+    spec, head_dim = SPECS["partial"]
+    rope = Rope(spec, "cuda")
+    rope.reserve(1024, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1, 4, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(head_dim, device="cuda", generator=g)
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        rope.apply(x, pos, w, 1e-6)
+        rms_norm(x, w, 1e-6)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rope.apply(x, pos, w, 1e-6)
+        normed = rms_norm(x, w, 1e-6)
+    for p in (5, 777, 1023):
+        pos.fill_(p)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+        graph.replay()
+        assert_close(out, ref_rope(ref_rms_norm(x, w, 1e-6), pos, rope._cos, rope._sin))
+        assert_close(normed, ref_rms_norm(x, w, 1e-6))

@@ -1,0 +1,103 @@
+"""The RMSNorm and rope kernels, run on the CPU by Triton's interpreter (CI has no GPU), against float64
+references: strided views, chunked rows, scalar weights, partial rotary, fused q/k norms, bf16 and f32."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is a dev dependency (pip install -e '.[dev]')")
+if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+    pytest.skip("the interpreter run is for machines without a GPU; see tests/test_gpu.py", allow_module_level=True)
+
+from tandem.cuda import norm_rope  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def ref_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NEOX rotation in float64 of x [T, H, Dh] (float64) over the first 2 * cos.shape[1] dimensions."""
+    half = cos.shape[1]
+    c, s = cos[pos].double().unsqueeze(1), sin[pos].double().unsqueeze(1)  # [T, 1, half]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half :]], dim=-1)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """f32: 1e-6 relative to the element (or to the largest one, under cancellation); bf16: one bf16 ulp."""
+    err = (y.double() - ref).abs()
+    floor = 1e-6 * ref.abs().max()
+    if y.dtype == torch.float32:
+        bound = torch.clamp(1e-6 * ref.abs(), min=floor)
+    else:
+        _, e = torch.frexp(ref)
+        bound = torch.clamp(torch.ldexp(torch.ones_like(ref), e - 8), min=floor)  # bf16: 8 significant bits
+    assert bool((err <= bound).all()), f"max excess {(err / bound).max().item():.3g}"
+
+
+def tables(n_pos: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    theta = torch.arange(n_pos, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(half) / half)
+    return torch.cos(theta).float(), torch.sin(theta).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_rows(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g)
+    y = norm_rope.rms_norm_rows(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, ref_rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_views_and_scalar_weights(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 5, 80, generator=g).to(dtype)
+    for x in (base[:, 1:4, :64], base.transpose(0, 1)[:, :, 3:67], base[..., ::2]):  # strided rows and columns
+        for w in (torch.randn(x.shape[-1], generator=g), torch.tensor(0.5), torch.ones(()), torch.full((1,), 2.0)):
+            y = norm_rope.rms_norm_rows(x, w, 1e-5)
+            assert y.shape == x.shape and y.is_contiguous()
+            assert_close(y, ref_rms_norm(x, w, 1e-5))
+
+
+def test_rms_norm_long_rows_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(norm_rope, "_MAX_BLOCK", 64)  # rows of 200: 4 chunks, the last one partial
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 200, generator=g)
+    w = torch.randn(200, generator=g)
+    assert_close(norm_rope.rms_norm_rows(x, w, 1e-6), ref_rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("head_dim", "dim"), [(64, 64), (96, 32), (512, 512)], ids=["full", "partial", "d512"])
+def test_rope(dtype: torch.dtype, head_dim: int, dim: int) -> None:
+    g = torch.Generator().manual_seed(head_dim + dim)
+    cos, sin = tables(40, dim // 2)
+    pos = torch.tensor([17, 18, 39])  # not starting at 0
+    x = torch.randn(3, 2, head_dim, generator=g).to(dtype)
+    y = norm_rope.rope_rows(x, pos, cos, sin)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, ref_rope(x.double(), pos, cos, sin))
+    assert torch.equal(y[..., dim:], x[..., dim:])  # partial rotary: the rest is copied bit for bit
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_with_head_norm(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    cos, sin = tables(16, 16)
+    pos = torch.tensor([5, 9], dtype=torch.int32)
+    qkv = torch.randn(2, 3, 4, 80, generator=g).to(dtype)  # a fused projection [T, 3, H, 80]
+    for x in (qkv[:, 1, :, 8:48], qkv[:, 2, :, ::2]):  # [T=2, H=4, Dh=40]: strided heads, then strided values
+        for w in (torch.randn(40, generator=g), torch.ones(())):
+            y = norm_rope.rope_rows(x, pos, cos, sin, w, 1e-6)
+            assert_close(y, ref_rope(ref_rms_norm(x, w, 1e-6), pos, cos, sin))
