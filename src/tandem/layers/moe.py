@@ -28,6 +28,21 @@ class Routing:
     weights: torch.Tensor  # [T, A] float32 mixing weights
 
 
+def _route_on_gpu(
+    logits: torch.Tensor,
+    n_active: int,
+    softmax_first: bool,
+    renormalize: bool = False,
+    bias: torch.Tensor | None = None,
+) -> Routing:
+    """Routing of logits on the GPU in one fused kernel (tandem.cuda.routing) instead of ~6 torch kernels;
+    imported here, as Triton is needed only with a GPU."""
+    from tandem.cuda.routing import route
+
+    ids, weights = route(logits, n_active, softmax_first, renormalize, bias)
+    return Routing(ids=ids, weights=weights)
+
+
 @dataclass
 class SoftmaxTopKRouter:
     """Qwen-style router: softmax over all experts, keep the top A, optionally renormalise."""
@@ -37,8 +52,10 @@ class SoftmaxTopKRouter:
     renormalize: bool
 
     def __call__(self, x: torch.Tensor) -> Routing:
-        logits = self.proj(x).float()  # [T, E]
-        probs = torch.softmax(logits, dim=-1)
+        logits = self.proj(x.float())  # [T, E] in f32, as llama.cpp computes the router
+        if logits.is_cuda:
+            return _route_on_gpu(logits, self.n_active, softmax_first=True, renormalize=self.renormalize)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.n_active, dim=-1)  # [T, A]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -129,7 +146,10 @@ class TopKSoftmaxRouter:
     bias: torch.Tensor | None = None  # [E]
 
     def __call__(self, x: torch.Tensor) -> Routing:
-        logits = self.proj(x).float()  # [T, E]
+        logits = self.proj(x.float())  # [T, E] in f32, as llama.cpp computes the router
+        if logits.is_cuda:
+            return _route_on_gpu(logits, self.n_active, softmax_first=False, bias=self.bias)
+        logits = logits.float()
         if self.bias is not None:
             logits = logits + self.bias
         top, ids = torch.topk(logits, self.n_active, dim=-1)  # [T, A]
@@ -147,8 +167,10 @@ class NormedSoftmaxTopKRouter:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> Routing:
-        logits = self.proj(rms_norm(x, self.input_scale, self.eps)).float()  # [T, E]
-        probs = torch.softmax(logits, dim=-1)
+        logits = self.proj(rms_norm(x.float(), self.input_scale, self.eps))  # [T, E] in f32, as llama.cpp
+        if logits.is_cuda:
+            return _route_on_gpu(logits, self.n_active, softmax_first=True, renormalize=True)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.n_active, dim=-1)  # [T, A]
         return Routing(ids=ids, weights=weights / weights.sum(dim=-1, keepdim=True))
 

@@ -1,0 +1,103 @@
+"""The fused GPU routing kernel, run on the CPU by Triton's interpreter (CI has no GPU), against the torch
+routing of the routers in layers/moe.py (the path it replaces on the GPU)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is a dev dependency (pip install -e '.[dev]')")
+if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+    pytest.skip("the interpreter run is for machines without a GPU; see tests/test_gpu.py", allow_module_level=True)
+
+from tandem.cuda.routing import route  # noqa: E402
+from tandem.layers.moe import NormedSoftmaxTopKRouter, Routing, SoftmaxTopKRouter, TopKSoftmaxRouter  # noqa: E402
+
+WEIGHT_TOL = 1e-6
+
+
+def _torch_routing(
+    logits: torch.Tensor, a: int, softmax_first: bool, renorm: bool, bias: torch.Tensor | None
+) -> Routing:
+    """The routers' own torch path (logits on the CPU), fed the logits through a stand-in projection."""
+    proj = lambda _: logits  # noqa: E731
+    x = torch.ones(logits.shape[0], 4)
+    if not softmax_first:
+        return TopKSoftmaxRouter(proj=proj, n_active=a, bias=bias)(x)  # type: ignore[arg-type]
+    return SoftmaxTopKRouter(proj=proj, n_active=a, renormalize=renorm)(x)  # type: ignore[arg-type]
+
+
+def _check(
+    logits: torch.Tensor, a: int, softmax_first: bool, renorm: bool = False, bias: torch.Tensor | None = None
+) -> tuple[Routing, Routing]:
+    """The kernel's ids and weights against torch's: the same chosen values (as sorted lists) and weights
+    within WEIGHT_TOL, ids distinct and ordered by value (descending), the lower expert first on ties.
+    Returns both routings for order checks."""
+    ids, weights = route(logits, a, softmax_first, renorm, bias)
+    ref = _torch_routing(logits, a, softmax_first, renorm, bias)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert ids.shape == weights.shape == (len(logits), a)
+    values = logits.float() + (0 if bias is None else bias.float())  # what the experts are picked by
+    for t in range(len(logits)):
+        mine, theirs = values[t, ids[t]], values[t, ref.ids[t]]
+        assert len(set(ids[t].tolist())) == a
+        assert torch.equal(mine, theirs.sort(descending=True).values), t
+        order = sorted(range(a), key=lambda j: (-mine[j].item(), ids[t, j].item()))
+        assert order == list(range(a)), t
+        assert (weights[t] - ref.weights[t].sort(descending=True).values).abs().max() <= WEIGHT_TOL, t
+    return Routing(ids=ids, weights=weights), ref
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_softmax_then_top(t: int, dtype: torch.dtype, renorm: bool) -> None:
+    """Qwen (renormalised or not) and Gemma 4 (renormalised): E = 128, A = 8, and E = 60 (not a power of two)."""
+    g = torch.Generator().manual_seed(t + 10 * renorm)
+    for e, a in ((128, 8), (60, 4)):
+        logits = (torch.randn(t, e, generator=g) * 2).to(dtype)
+        mine, ref = _check(logits, a, softmax_first=True, renorm=renorm)
+        if dtype == torch.float32:  # no ties: torch's order exactly
+            assert torch.equal(mine.ids, ref.ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 5])
+def test_top_then_softmax_with_bias(t: int, dtype: torch.dtype) -> None:
+    """gpt-oss: E = 32, A = 4, a bias added to the logits before the pick, softmax over the A picked."""
+    g = torch.Generator().manual_seed(100 + t)
+    logits = torch.randn(t, 32, generator=g).to(dtype)
+    bias = torch.randn(32, generator=g)
+    mine, ref = _check(logits, 4, softmax_first=False, bias=bias)
+    if dtype == torch.float32:
+        assert torch.equal(mine.ids, ref.ids)
+    _check(logits, 4, softmax_first=False)  # no bias
+
+
+def test_ties() -> None:
+    """Equal logits inside the top A: the same experts and weights as torch, the lower expert first; equal
+    logits across the A-th place (torch picks any of them): the lowest experts."""
+    logits = torch.zeros(2, 16)
+    logits[0, [9, 2, 5]] = 3.0
+    logits[0, [11, 4]] = 1.0
+    logits[1, [7, 3, 12]] = 2.0
+    for softmax_first in (True, False):
+        mine, _ = _check(logits, 4, softmax_first)
+        assert mine.ids[0].tolist() == [2, 5, 9, 4]
+        assert mine.ids[1].tolist() == [3, 7, 12, 0]
+
+
+def test_gemma4_router_reference() -> None:
+    """NormedSoftmaxTopKRouter's torch path (which the kernel replaces on the GPU) is softmax, top A,
+    renormalised: the kernel with renormalisation matches it."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 128, generator=g)
+    router = NormedSoftmaxTopKRouter(proj=lambda _: logits, input_scale=torch.ones(4), n_active=8, eps=1e-6)  # type: ignore[arg-type]
+    ref = router(torch.randn(3, 4, generator=g))
+    ids, weights = route(logits, 8, softmax_first=True, renormalize=True)
+    assert torch.equal(ids, ref.ids)
+    assert (weights - ref.weights).abs().max() <= WEIGHT_TOL
