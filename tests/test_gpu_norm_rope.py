@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.layers.norm import rms_norm
+from tandem.layers.attention import AttentionShape, attend, normed_rotated_attend
+from tandem.layers.norm import add_rms_norm, rms_norm
 from tandem.layers.rope import Rope, RopeSpec, YarnSpec
+from tandem.runtime.kv_cache import LayerKV
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,3 +111,80 @@ def test_rope_in_cuda_graph() -> None:
         graph.replay()
         assert_close(out, ref_rope(ref_rms_norm(x, w, 1e-6), pos, rope._cos, rope._sin))
         assert_close(normed, ref_rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm(dtype: torch.dtype) -> None:
+    """One kernel: the sum bit for bit torch's `x + h`, the norm the one of that rounded sum."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for rows, d in ((1, 4096), (5, 2880), (3, 8192 + 64)):  # one pass, padded, chunked
+        x = torch.randn(rows, d, device="cuda", generator=g).to(dtype)
+        h = (torch.randn(rows, d, device="cuda", generator=g) * 8).to(dtype)
+        w = torch.randn(d, device="cuda", generator=g)
+        total, normed = add_rms_norm(x, h, w, 1e-6)
+        assert torch.equal(total, x + h)
+        assert torch.equal(normed, rms_norm(x + h, w, 1e-6))  # same arithmetic as the unfused norm kernel
+        assert_close(normed, ref_rms_norm(x + h, w, 1e-6))
+
+
+@pytest.mark.parametrize("cache_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_into_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Rope writing k into its cache row, and v stored by one kernel, store what rope, casts and
+    index_copy_ store, bit for bit."""
+    spec, head_dim = SPECS["partial"]
+    rope = Rope(spec, "cuda")
+    rope.reserve(512, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    pos = torch.tensor([300], device="cuda")
+    kv = torch.randn(1, 2, 4, head_dim, device="cuda", generator=g).to(dtype)
+    k, v = kv[:, 0], kv[:, 1]  # strided views, as slices of a fused projection
+    w = torch.randn(head_dim, device="cuda", generator=g)
+    fused = LayerKV.allocate(512, 4, head_dim, head_dim, cache_dtype, "cuda")
+    plain = LayerKV.allocate(512, 4, head_dim, head_dim, cache_dtype, "cuda")
+    assert rope.apply(k, pos, w, 1e-6, into=fused.k) is fused.k
+    keys, values = fused.store_values(v, pos)
+    assert keys is fused.k and values is fused.v
+    plain.store(0, rope.apply(k, pos, w, 1e-6), v, pos)
+    assert torch.equal(fused.k, plain.k) and torch.equal(fused.v, plain.v)
+
+
+class _Layer:
+    """What `normed_rotated_attend` reads of an attention layer."""
+
+    def __init__(self, rope: Rope, head_dim: int, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
+        self.shape = AttentionShape(8, 2, head_dim, head_dim, head_dim**-0.5, None)
+        self.rope, self.q_norm, self.k_norm, self.norm_eps = rope, q_norm, k_norm, 1e-6
+
+
+def test_fused_kv_store_in_cuda_graph() -> None:
+    """The decode step's rope-into-cache and value store, captured once and replayed at two positions: the
+    cache rows and the attention output are those of the unfused ops."""
+    spec, head_dim = SPECS["full"]
+    rope = Rope(spec, "cuda")
+    rope.reserve(1024, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    layer = _Layer(rope, head_dim, *torch.randn(2, head_dim, device="cuda", generator=g))
+    q = torch.randn(1, 8, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    cache = LayerKV.allocate(1024, 2, head_dim, head_dim, torch.float16, "cuda")
+    plain = LayerKV.allocate(1024, 2, head_dim, head_dim, torch.float16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        normed_rotated_attend(layer, q, k, v, pos, cache, 0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = normed_rotated_attend(layer, q, k, v, pos, cache, 0)
+    for p in (3, 700):
+        pos.fill_(p)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        graph.replay()
+        plain.store(p, rope.apply(k, pos, layer.k_norm, 1e-6), v, pos)
+        assert torch.equal(cache.k, plain.k) and torch.equal(cache.v, plain.v)
+        q_rot = rope.apply(q, pos, layer.q_norm, 1e-6)
+        assert torch.equal(out, attend(q_rot, plain.k, plain.v, pos, layer.shape))

@@ -101,3 +101,73 @@ def test_rope_with_head_norm(dtype: torch.dtype) -> None:
         for w in (torch.randn(40, generator=g), torch.ones(())):
             y = norm_rope.rope_rows(x, pos, cos, sin, w, 1e-6)
             assert_close(y, ref_rope(ref_rms_norm(x, w, 1e-6), pos, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_add_rms_norm_rows(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sum is torch's `x + h`; the norm is the one of that rounded sum, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 2, 200, generator=g).to(dtype)
+    h = torch.randn(3, 200, generator=g).to(dtype) * 8
+    w = torch.randn(200, generator=g)
+    for max_block in (norm_rope._MAX_BLOCK, 64):  # one pass, then 4 chunks with the last one partial
+        monkeypatch.setattr(norm_rope, "_MAX_BLOCK", max_block)
+        for x in (base[:, 0], base[:, 1, :]):  # contiguous rows, then strided ones
+            total, normed = norm_rope.add_rms_norm_rows(x, h, w, 1e-6)
+            assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == x.shape
+            if dtype == torch.bfloat16:  # the interpreter truncates f32 -> bf16 (a GPU rounds to nearest even)
+                assert_close(total, (x.double() + h.double()))
+            else:
+                assert torch.equal(total, x + h)
+            assert torch.equal(normed, norm_rope.rms_norm_rows(total, w, 1e-6))
+            assert_close(normed, ref_rms_norm(total, w, 1e-6))
+
+
+CACHE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def assert_stored(cache: torch.Tensor, expected: torch.Tensor, src_dtype: torch.dtype) -> None:
+    """Bit for bit, except f32 -> bf16, which the interpreter truncates (a GPU rounds to nearest even, as
+    torch does): there within one bf16 ulp."""
+    if src_dtype == torch.float32 and cache.dtype == torch.bfloat16:
+        assert_close(cache, expected.double())
+    else:
+        assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_into_cache_rows(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Rope writing into a cache at the positions stores exactly what rope, a cast and index_copy_ store."""
+    g = torch.Generator().manual_seed(5)
+    cos, sin = tables(32, 16)
+    kv = torch.randn(2, 3, 80, generator=g).to(dtype)
+    x = kv[:, :, 4:52]  # [T=2, H=3, Dh=48]: strided heads; partial rotary (dim 32)
+    pos = torch.tensor([7, 30])
+    for norm in (None, torch.randn(48, generator=g)):
+        cache = torch.randn(32, 3, 48, generator=g).to(cache_dtype)
+        expected = cache.clone().index_copy_(0, pos, norm_rope.rope_rows(x, pos, cos, sin, norm, 1e-6).to(cache_dtype))
+        assert norm_rope.rope_rows(x, pos, cos, sin, norm, 1e-6, into=cache) is cache
+        assert_stored(cache, expected, dtype)  # the written rows, and every other row untouched
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_rows(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    v = torch.randn(1, 3, 2, 40, generator=g).to(dtype)[:, 1]  # [T=1, H=2, Dv=40], a strided view
+    cache = torch.randn(16, 2, 40, generator=g).to(cache_dtype)
+    expected = cache.clone().index_copy_(0, torch.tensor([9]), v.to(cache_dtype))
+    assert norm_rope.store_rows(v, torch.tensor([9], dtype=torch.int32), cache) is cache
+    assert_stored(cache, expected, dtype)
+
+
+def test_layer_kv_store_values() -> None:
+    """`LayerKV.store_values` (the decode step after the rope kernel wrote k): v into its row, whole buffers."""
+    from tandem.runtime.kv_cache import LayerKV
+
+    kv = LayerKV.allocate(8, 2, 16, 24, torch.float16, "cpu")
+    v = torch.randn(1, 2, 24, dtype=torch.bfloat16)
+    keys, values = kv.store_values(v, torch.tensor([5]))
+    assert keys is kv.k and values is kv.v
+    assert torch.equal(kv.v[5], v[0].half()) and not kv.v[:5].any() and not kv.v[6:].any()

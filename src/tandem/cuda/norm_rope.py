@@ -1,9 +1,11 @@
 """Triton kernels for RMSNorm and rotary embeddings: one launch each where torch takes 3 to 10.
 
 - `_rms_norm`: one row of the last dimension per program, f32 arithmetic, output in the input's dtype;
+- `_add_rms_norm`: the same after a residual add, writing the sum too (one kernel for `x + h` and the norm);
 - `_rope`: one head of one token per program (NEOX pairs (i, i + dim/2)), optionally after a per-head RMSNorm
   (q/k norms), cos/sin gathered at the token's position read on the device, so a captured CUDA graph
-  replays with new positions.
+  replays with new positions; optionally written straight into a KV-cache row at that position;
+- `_store_rows`: rows cast into a buffer at positions read on the device (values into the KV cache).
 
 Both read strided inputs (views) directly and write contiguous outputs. They run on whatever device the
 tensors are on, so Triton's interpreter (tests without a GPU) runs the same wrappers.
@@ -56,11 +58,58 @@ def _rms_norm(
 
 
 @triton.jit
+def _add_rms_norm(
+    x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, n_cols, x_stride_row, x_stride_col, h_stride_row, h_stride_col,
+    w_stride, eps, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """sum[row] = x[row] + h[row] (f32 add, one rounding to sum's dtype, as torch adds); out[row] = the
+    RMSNorm of the rounded sum times w. x and h strided, sum and out contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride_row
+    h_row = h_ptr + row * h_stride_row
+    sum_row = sum_ptr + row * n_cols
+    out_row = out_ptr + row * n_cols
+    cols = tl.arange(0, BLOCK)
+    if N_CHUNKS == 1:
+        mask = cols < n_cols
+        x = tl.load(x_row + cols * x_stride_col, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(h_row + cols * h_stride_col, mask=mask, other=0.0).to(tl.float32)
+        total = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_row + cols, total, mask=mask)
+        x = total.to(tl.float32)  # the norm reads the stored (rounded) sum, as the unfused ops do
+        scale = _inv_rms(tl.sum(x * x, axis=0), n_cols, eps)
+        w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_row + cols, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(N_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < n_cols
+            x = tl.load(x_row + offs * x_stride_col, mask=mask, other=0.0).to(tl.float32)
+            x += tl.load(h_row + offs * h_stride_col, mask=mask, other=0.0).to(tl.float32)
+            total = x.to(sum_ptr.dtype.element_ty)
+            tl.store(sum_row + offs, total, mask=mask)
+            x = total.to(tl.float32)
+            acc += x * x
+        scale = _inv_rms(tl.sum(acc, axis=0), n_cols, eps)
+        for c in range(N_CHUNKS):  # recompute the sum: reading it back would need a barrier between threads
+            offs = c * BLOCK + cols
+            mask = offs < n_cols
+            x = tl.load(x_row + offs * x_stride_col, mask=mask, other=0.0).to(tl.float32)
+            x += tl.load(h_row + offs * h_stride_col, mask=mask, other=0.0).to(tl.float32)
+            x = x.to(sum_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + offs * w_stride, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + offs, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope(
     x_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, head_dim, stride_t, stride_h, stride_d, w_stride, eps,
-    HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
-    """out[t, h] = rotate(norm?(x[t, h])) at pos[t]; one (token, head) per program."""
+    """out[t, h] = rotate(norm?(x[t, h])) at pos[t]; one (token, head) per program.
+
+    STORE: out is a KV-cache buffer [P, H, Dh] and the result goes to its row pos[t] instead of row t."""
     # Every lane d computes x[d] * cos + x[partner] * (+-sin): lanes past the rotated 2 * HALF get cos 1,
     # sin 0 and pass through (partial rotary).
     t = tl.program_id(0).to(tl.int64)
@@ -78,11 +127,29 @@ def _rope(
         scale = _inv_rms(tl.sum(x * x, axis=0), head_dim, eps)
         x = x * scale * tl.load(w_ptr + d * w_stride, mask=in_head, other=0.0).to(tl.float32)
         xp = xp * scale * tl.load(w_ptr + partner * w_stride, mask=rotated, other=0.0).to(tl.float32)
-    table = tl.load(pos_ptr + t).to(tl.int64) * HALF + pair
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    table = pos * HALF + pair
     cos = tl.load(cos_ptr + table, mask=rotated, other=1.0)
     sin = tl.load(sin_ptr + table, mask=rotated, other=0.0)
     out = x * cos + xp * tl.where(first, -sin, sin)  # x1*cos - x2*sin | x2*cos + x1*sin
-    tl.store(out_ptr + (t * tl.num_programs(1) + h) * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=in_head)
+    # Rounded to x's dtype first (a no-op unless STORE): the cache holds what rope-then-cast stored.
+    out = out.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+    row = pos if STORE else t
+    tl.store(out_ptr + (row * tl.num_programs(1) + h) * head_dim + d, out, mask=in_head)
+
+
+@triton.jit
+def _store_rows(
+    x_ptr, pos_ptr, out_ptr, head_dim, stride_t, stride_h, stride_d, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[pos[t], h] = x[t, h] in out's dtype (one rounding, as `Tensor.to`); one (token, head) per program."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    mask = d < head_dim
+    x = tl.load(x_ptr + t * stride_t + h * stride_h + d * stride_d, mask=mask)
+    row = tl.load(pos_ptr + t).to(tl.int64)
+    tl.store(out_ptr + (row * tl.num_programs(1) + h) * head_dim + d, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _w_stride(w: torch.Tensor) -> int:
@@ -104,6 +171,28 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def add_rms_norm_rows(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h)) in one kernel, both in x's dtype: the sum rounded once as torch's `x + h`
+    rounds it (x and h of one dtype and shape), the norm computed from that rounded sum as `rms_norm_rows`."""
+    n = x.shape[-1]
+    x_rows, h_rows = x.reshape(-1, n), h.reshape(-1, n)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), _MAX_BLOCK)
+    _add_rms_norm[(x_rows.shape[0],)](
+        x_rows, h_rows, weight, total, out, n, *x_rows.stride(), *h_rows.stride(), _w_stride(weight), eps,
+        BLOCK=block, N_CHUNKS=triton.cdiv(n, block), num_warps=max(1, min(8, block // 512)),
+    )  # fmt: skip
+    return total, out
+
+
+def _check_rows_into(x: torch.Tensor, into: torch.Tensor) -> None:
+    # The kernels address `into` as contiguous [P, H, Dh] rows.
+    assert into.is_contiguous() and into.shape[1:] == x.shape[1:], (tuple(into.shape), tuple(x.shape))
+
+
 def rope_rows(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -111,19 +200,36 @@ def rope_rows(
     sin: torch.Tensor,
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NEOX rotation of x [T, H, Dh] at `positions` [T] (a device tensor, never read on the host), with
     contiguous f32 tables cos/sin [P, dim/2] (dim <= Dh: the dimensions past dim pass through; positions
     must lie in the tables: nothing checks them on the device), in x's dtype.
 
-    norm: an RMSNorm weight [Dh] (or scalar) applied per head before rotating, in f32 (no rounding between)."""
+    norm: an RMSNorm weight [Dh] (or scalar) applied per head before rotating, in f32 (no rounding between).
+    into: a contiguous buffer [P, H, Dh] (a KV cache): the rotated token t goes to its row positions[t],
+    rounded to x's dtype then to into's (as rotating then casting), and `into` is returned."""
     t, h, dh = x.shape
     half = cos.shape[1]
-    out = torch.empty((t, h, dh), dtype=x.dtype, device=x.device)
+    if into is None:
+        out = torch.empty((t, h, dh), dtype=x.dtype, device=x.device)
+    else:
+        _check_rows_into(x, into)
+        out = into
     block = triton.next_power_of_2(dh)
     w = x if norm is None else norm  # any pointer when there is no norm
     _rope[(t, h)](
         x, positions, cos, sin, w, out, dh, *x.stride(), 0 if norm is None else _w_stride(norm), eps,
-        HALF=half, BLOCK=block, NORM=norm is not None, num_warps=max(1, block // 256),
+        HALF=half, BLOCK=block, NORM=norm is not None, STORE=into is not None, num_warps=max(1, block // 256),
     )  # fmt: skip
     return out
+
+
+def store_rows(x: torch.Tensor, positions: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """into[positions[t]] = x[t] in into's dtype (x [T, H, Dh], strided; into contiguous [P, H, Dh]; positions a
+    device tensor, never read on the host, and distinct): one kernel for `index_copy_(0, positions, x.to(...))`."""
+    t, h, dh = x.shape
+    _check_rows_into(x, into)
+    block = triton.next_power_of_2(dh)
+    _store_rows[(t, h)](x, positions, into, dh, *x.stride(), BLOCK=block, num_warps=max(1, block // 256))
+    return into

@@ -103,8 +103,12 @@ def normed_rotated_attend(
     """From fresh projections q [T, H, D], k [T, G, D], v [T, G, Dv]: the layer's q/k norms and rope, k and v
     into the cache, attention over it -> [T, H, Dv]. Shared by the attention layers."""
     q = layer.rope.apply(q, positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel per tensor on CUDA
-    k = layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps)
-    keys, values = cache.store(start, k, v, positions)  # [S, G, D]
+    if cache.by_index(k.shape[0], positions):  # decoding on CUDA: the k kernel writes its cache row itself
+        layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps, into=cache.k)
+        keys, values = cache.store_values(v, positions)  # whole buffers [n_ctx, G, D]
+    else:
+        k = layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps)
+        keys, values = cache.store(start, k, v, positions)  # [S, G, D]
     return attend(q, keys, values, positions, layer.shape, sinks)
 
 

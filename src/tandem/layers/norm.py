@@ -25,3 +25,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))  # float32: sqrtf, then a division
     w = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.float32(weight)
     return torch.from_numpy((x32 * scale) * w).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h, weight, eps)): a residual add and the next pre-norm.
+
+    On CUDA, with x and h of one dtype and shape, one Triton kernel writes both, rounded exactly as the two
+    ops round (the norm reads the sum in x's dtype); elsewhere the two ops."""
+    if x.is_cuda and h.dtype == x.dtype and h.shape == x.shape:
+        from tandem.cuda.norm_rope import add_rms_norm_rows
+
+        return add_rms_norm_rows(x, h, weight, eps)
+    total = x + h
+    return total, rms_norm(total, weight, eps)

@@ -134,16 +134,26 @@ class Rope:
         self._sin = torch.from_numpy(sin).to(self.device)
 
     def apply(
-        self, x: torch.Tensor, positions: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotate x [T, H, Dh] at integer `positions` [T], after an RMSNorm of each head by weight `norm`
-        [Dh] when given (q/k norms). On CUDA one Triton kernel does both, with no rounding in between."""
+        [Dh] when given (q/k norms). On CUDA one Triton kernel does both, with no rounding in between.
+
+        into (CUDA only): a contiguous buffer [P, H, Dh] (a KV cache) that receives token t at row
+        positions[t], cast to its dtype, in the same kernel; it is returned."""
         if self._cos.device != positions.device or self._cos.shape[0] == 0:
             self.reserve(int(positions.max().item()) + 1, positions.device)
         if x.is_cuda:
             from tandem.cuda.norm_rope import rope_rows
 
-            return rope_rows(x, positions, self._cos, self._sin, norm, eps)
+            return rope_rows(x, positions, self._cos, self._sin, norm, eps, into)
+        if into is not None:
+            raise ValueError("Rope.apply writes `into` a buffer only on CUDA")
         if norm is not None:
             x = rms_norm(x, norm, eps)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, half]

@@ -15,7 +15,7 @@ from tandem.layers.activations import activation
 from tandem.layers.attention import Attention, AttentionShape
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import GatedExperts, MoE, SoftmaxTopKRouter
-from tandem.layers.norm import rms_norm
+from tandem.layers.norm import add_rms_norm, rms_norm
 from tandem.layers.rope import Rope, RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig
 from tandem.runtime.loader import WeightLoader
@@ -44,8 +44,12 @@ class Block:
         h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), positions, state, start)
         if self.post_mixer_norm is not None:
             h = rms_norm(h, self.post_mixer_norm, self.eps)
-        x = x + h
-        h = self.ffn(x if self.ffn_norm is None else rms_norm(x, self.ffn_norm, self.eps))
+        if self.ffn_norm is None:
+            x = x + h
+            h = self.ffn(x)
+        else:  # one kernel on CUDA for the residual add and the norm
+            x, normed = add_rms_norm(x, h, self.ffn_norm, self.eps)
+            h = self.ffn(normed)
         if self.post_ffn_norm is not None:
             h = rms_norm(h, self.post_ffn_norm, self.eps)
         x = x + h

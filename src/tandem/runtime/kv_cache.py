@@ -41,6 +41,10 @@ class LayerKV:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def by_index(self, n_tokens: int, positions: torch.Tensor | None) -> bool:
+        """Whether a step of `n_tokens` at `positions` writes by index (see `store`): one token on a GPU."""
+        return positions is not None and self.k.is_cuda and n_tokens == 1
+
     def store(
         self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +54,7 @@ class LayerKV:
         buffer, so the step has the same shapes at every position and can be replayed as a CUDA graph;
         positions not yet written are masked by causality.
         """
-        if positions is not None and self.k.is_cuda and k.shape[0] == 1:
+        if self.by_index(k.shape[0], positions):
             self.k.index_copy_(0, positions, k.to(self.k.dtype))
             self.v.index_copy_(0, positions, v.to(self.v.dtype))
             return self.k, self.v
@@ -58,6 +62,14 @@ class LayerKV:
         self.k[start:end] = k.to(self.k.dtype)
         self.v[start:end] = v.to(self.v.dtype)
         return self.k[:end], self.v[:end]
+
+    def store_values(self, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `by_index` step whose keys the rope kernel already wrote into `self.k` (`Rope.apply(into=)`):
+        v [1, H_kv, Dv] into its row in one kernel (cast included); the whole buffers, as `store` returns."""
+        from tandem.cuda.norm_rope import store_rows
+
+        store_rows(v, positions, self.v)
+        return self.k, self.v
 
 
 class LayerState(Protocol):
