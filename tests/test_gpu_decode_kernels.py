@@ -1,5 +1,6 @@
 """The decode kernels on the GPU (run on the device: `pytest -m gpu`): the fused routing against torch's
-routing and from a CUDA graph, and the GEMV with 16-bit activations (read in pairs of values)."""
+routing and from a CUDA graph, the router logits' GEMV and the routers using it, and the GEMV with 16-bit
+activations (read in pairs of values)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_route_matches_torch(t: int, dtype: torch.dtype) -> None:
     for e, a, softmax_first, renorm, b in cases:
         logits = (torch.randn(t, e, generator=g) * 2).to(dtype)
         ids, weights = route(logits.cuda(), a, softmax_first, renorm, None if b is None else b.cuda())
-        ids, weights = ids.cpu(), weights.cpu()
+        assert ids.dtype == torch.int32
+        ids, weights = ids.cpu().long(), weights.cpu()
         ref_ids, ref_w = _torch_route(logits, a, softmax_first, renorm, b)
         values = logits.float() + (0 if b is None else b)
         # the same chosen values (ties may pick other experts of equal value), weights within 1e-6
@@ -65,6 +67,63 @@ def test_route_in_cuda_graph() -> None:
         graph.replay()
         want_ids, want_w = route(logits, 8, True, True)
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_router_logits_matches_float64(m: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+    """The router GEMV against float64, within 1e-6 of the sum of |products|; E = 128 and 60, D = 2048 and 200."""
+    from tandem.cuda.routing import router_logits
+
+    g = torch.Generator().manual_seed(m)
+    for n, k in ((128, 2048), (60, 200)):
+        w = torch.randn(n, k, generator=g).to(w_dtype)
+        x = torch.randn(m, k, generator=g).to(x_dtype)
+        y = router_logits(x.cuda(), w.cuda()).cpu()
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        ref = x.double() @ w.double().T
+        assert ((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all(), (n, k)
+
+
+def test_routers_with_dense_proj() -> None:
+    """The three routers over a DenseLinear on the GPU (decode: the GEMV; prefill: cuBLAS) pick the experts of
+    the same logits computed in float64, and capture in a CUDA graph."""
+    from tandem.cuda.weights import DenseLinear
+    from tandem.layers.moe import NormedSoftmaxTopKRouter, SoftmaxTopKRouter, TopKSoftmaxRouter
+
+    g = torch.Generator().manual_seed(0)
+    proj = DenseLinear(torch.randn(128, 2048, generator=g).cuda())
+    routers = [
+        SoftmaxTopKRouter(proj=proj, n_active=8, renormalize=True),
+        TopKSoftmaxRouter(proj=proj, n_active=4, bias=torch.randn(128, generator=g).cuda()),
+        NormedSoftmaxTopKRouter(proj=proj, input_scale=torch.ones(2048, device="cuda"), n_active=8, eps=1e-6),
+    ]
+    for t in (1, 40):
+        x = torch.randn(t, 2048, generator=g).to(torch.bfloat16).cuda()
+        for router in routers:
+            r = router(x)
+            assert r.ids.dtype == torch.int32 and r.weights.shape == (t, router.n_active)
+            xs = x.double()
+            if isinstance(router, NormedSoftmaxTopKRouter):
+                xs = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6)
+            logits = xs @ proj.weight.double().T
+            if isinstance(router, TopKSoftmaxRouter):
+                logits = logits + router.bias.double()
+            want = logits.topk(router.n_active, dim=-1).values
+            got = logits.gather(1, r.ids.long())
+            assert (got - want).abs().max() <= 1e-3 * logits.abs().max(), type(router).__name__
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    router = routers[0]
+    router(x)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r = router(x)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 2048, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        want = router(x)
+        assert torch.equal(r.ids, want.ids) and torch.equal(r.weights, want.weights)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)

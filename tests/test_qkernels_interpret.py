@@ -54,7 +54,9 @@ def test_selected_experts(qtype: gguf.GGMLQuantizationType) -> None:
         for x in (torch.randn(t, k), torch.randn(t, a, k)):
             xs = x.double()[:, None, :].expand(t, a, k) if x.dim() == 2 else x.double()
             ref = torch.einsum("tak,tank->tan", xs, ref_w[ids])
-            assert _rel(qmatmul_id(x, w, ids, ieee=True), ref) < REL_TOL, (t, a, x.dim())
+            y = qmatmul_id(x, w, ids, ieee=True)
+            assert _rel(y, ref) < REL_TOL, (t, a, x.dim())
+            assert torch.equal(qmatmul_id(x, w, ids.int(), ieee=True), y)  # int32 ids, as the GPU routing gives
 
 
 def _qmv(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor | None, bn: int, sb: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The fused GPU routing kernel, run on the CPU by Triton's interpreter (CI has no GPU), against the torch
-routing of the routers in layers/moe.py (the path it replaces on the GPU)."""
+"""The GPU routing kernels, run on the CPU by Triton's interpreter (CI has no GPU): the fused routing against
+the torch routing of the routers in layers/moe.py (the path it replaces on the GPU), and the router logits'
+GEMV against a float64 product."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ triton = pytest.importorskip("triton", reason="triton is a dev dependency (pip i
 if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
     pytest.skip("the interpreter run is for machines without a GPU; see tests/test_gpu.py", allow_module_level=True)
 
-from tandem.cuda.routing import route  # noqa: E402
+from tandem.cuda.routing import route, router_logits  # noqa: E402
 from tandem.layers.moe import NormedSoftmaxTopKRouter, Routing, SoftmaxTopKRouter, TopKSoftmaxRouter  # noqa: E402
 
 WEIGHT_TOL = 1e-6
@@ -39,7 +40,7 @@ def _check(
     Returns both routings for order checks."""
     ids, weights = route(logits, a, softmax_first, renorm, bias)
     ref = _torch_routing(logits, a, softmax_first, renorm, bias)
-    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     assert ids.shape == weights.shape == (len(logits), a)
     values = logits.float() + (0 if bias is None else bias.float())  # what the experts are picked by
     for t in range(len(logits)):
@@ -101,3 +102,28 @@ def test_gemma4_router_reference() -> None:
     ids, weights = route(logits, 8, softmax_first=True, renormalize=True)
     assert torch.equal(ids, ref.ids)
     assert (weights - ref.weights).abs().max() <= WEIGHT_TOL
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k"), [(128, 2048), (60, 200)])
+def test_router_logits(n: int, k: int, m: int, x_dtype: torch.dtype) -> None:
+    """The router GEMV (f32 weight [N, K], x read in its own type) against float64: f32 sums of exact products
+    stay within 1e-6 of the sum of |products| (N = 60, K = 200: row and column tails; M = 16: several weight rows
+    per program, K in steps)."""
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    y = router_logits(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref = x.double() @ w.double().T
+    assert ((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()
+
+
+def test_router_logits_16bit_weight_strided_rows() -> None:
+    """A bf16 weight, and x rows that are a slice of wider rows (a row stride other than K)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(60, 200, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 256, generator=g)[:, :200]
+    ref = x.double() @ w.double().T
+    assert ((router_logits(x, w).double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()

@@ -1,12 +1,14 @@
-"""MoE routing on the GPU in one kernel: router logits [T, E] to expert ids and mixing weights [T, A].
+"""MoE routing on the GPU: router logits in one kernel (`router_logits`), and logits [T, E] to expert ids and
+mixing weights [T, A] in one kernel (`route`).
 
-The torch form (float cast, softmax, topk, sum, divide: ~6 kernels, topk alone ~5 us) becomes one launch of
+The routing's torch form (float cast, softmax, topk, sum, divide: ~6 kernels, topk alone ~5 us) becomes one launch of
 one program per token, a warp holding the whole row (E up to a few hundred). Two orders of work:
 - softmax first (Qwen, Gemma 4): softmax over all E, keep the top A, optionally renormalise over them;
 - top first (gpt-oss): logits (+ bias), keep the top A, softmax over those A.
 The top A are picked on the logits in both: softmax is monotone, so these are the largest probabilities,
 and the pick does not depend on how exp rounds. Order as torch.topk's: value descending, the lower expert
-first on ties. No host sync or allocation inside, so it can be captured in a CUDA graph.
+first on ties. The ids are int32: what the expert kernels and the host's ggml read, with no cast kernel.
+No host sync inside either, so both can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,6 +17,55 @@ import torch
 import triton
 import triton.language as tl
 
+# Programs `router_logits` aims for: about one per SM of a large GPU (H200: 132), as a decode GEMV is bound by
+# how many weight loads are in flight, not by arithmetic.
+GEMV_PROGRAMS = 128
+GEMV_TILE = 4096  # weight elements a program holds per step (BN rows x BK columns): 32 f32 per thread at 4 warps
+GEMV_MAX_BN = 16
+
+
+@triton.jit
+def _router_gemv(
+    w_ptr, x_ptr, y_ptr, N, K, stride_w, stride_x, stride_y, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """y[m, n] = sum_k x[m, k] w[n, k] in f32 for the BN rows n of program_id(0), row m = program_id(1);
+    x and w in any float type, converted as loaded."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.program_id(1).to(tl.int64)
+    k = tl.arange(0, BK)
+    n_ok = n < N
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + k
+        k_ok = kk < K
+        xv = tl.load(x_ptr + m * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    tl.store(y_ptr + m * stride_y + n, tl.sum(acc, axis=1), mask=n_ok)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in f32 -> [M, N] f32, for a few rows (decode): one kernel reading x in its own
+    float type (no cast kernel), f32 products and sums, in place of cast + cuBLAS dot + reduce."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, (tuple(weight.shape), k)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bn = 1  # more rows per program only while there are programs enough to keep the GPU's loads in flight
+    while bn < GEMV_MAX_BN and triton.cdiv(n, 2 * bn) * m >= GEMV_PROGRAMS:
+        bn *= 2
+    bk = min(triton.next_power_of_2(k), GEMV_TILE // bn)
+    if m:
+        _router_gemv[(triton.cdiv(n, bn), m)](
+            weight, x, y, n, k, weight.stride(0), x.stride(0), y.stride(0), BN=bn, BK=bk, num_warps=4
+        )  # fmt: skip
+    return y
+
 
 @triton.jit
 def _route(
@@ -22,7 +73,7 @@ def _route(
     A: tl.constexpr, EP: tl.constexpr, AP: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
     RENORM: tl.constexpr,
 ):  # fmt: skip
-    """Token program_id(0): ids [A] (int64) and weights [A] (f32) of its logits row (+ bias)."""
+    """Token program_id(0): ids [A] (int32) and weights [A] (f32) of its logits row (+ bias)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     ok = e < E
@@ -50,7 +101,7 @@ def _route(
         w = tl.exp(top - tl.max(top, axis=0))
         w = w / tl.sum(w, axis=0)
     out = t * A + slot
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=slot < A)
+    tl.store(ids_ptr + out, ids, mask=slot < A)
     tl.store(weights_ptr + out, w, mask=slot < A)
 
 
@@ -61,13 +112,13 @@ def route(
     renormalize: bool = False,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids [T, A] int64 and weights [T, A] f32 of router logits [T, E] (any float dtype, on the GPU);
+    """Expert ids [T, A] int32 and weights [T, A] f32 of router logits [T, E] (any float dtype, on the GPU);
     bias [E] is added to the logits first (gpt-oss). See the module docstring for the two orders of work."""
     t, e = logits.shape
     assert 0 < n_active <= e, (n_active, e)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    ids = torch.empty(t, n_active, dtype=torch.int64, device=logits.device)
+    ids = torch.empty(t, n_active, dtype=torch.int32, device=logits.device)
     weights = torch.empty(t, n_active, dtype=torch.float32, device=logits.device)
     if t:
         _route[(t,)](

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem.cuda.qlinear import GPUQuantWeight, qmatmul, qmatmul_id
+from tandem.cuda.routing import router_logits
+
+ROUTER_GEMV_MAX_ROWS = 16  # decode batches; larger ones are worth cuBLAS's GEMM
 
 
 @dataclass(eq=False)
@@ -47,6 +50,13 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (x.to(self.weight.dtype) @ self.weight.T).to(x.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T in f32 for a router, x [T, K] in any float type -> [T, N] f32: one GEMV kernel for a few
+        rows on the GPU (see router_logits), else as __call__ on x in f32."""
+        if x.is_cuda and x.shape[0] <= ROUTER_GEMV_MAX_ROWS:
+            return router_logits(x, self.weight)
+        return self(x.float())
 
 
 @dataclass(eq=False)

@@ -24,8 +24,18 @@ _GGML_GLU = {ACTIVATIONS["silu"]: "swiglu", ACTIVATIONS["gelu_tanh"]: "geglu"}
 
 @dataclass(frozen=True)
 class Routing:
-    ids: torch.Tensor  # [T, A] int64 selected experts
+    ids: torch.Tensor  # [T, A] selected experts: int32 from the GPU kernel, int64 from torch.topk on the CPU
     weights: torch.Tensor  # [T, A] float32 mixing weights
+
+
+def _router_logits(proj: Linear, x: torch.Tensor) -> torch.Tensor:
+    """Router logits [T, E] in f32, as llama.cpp computes the router. A projection with its own f32 path
+    (DenseLinear.logits: one kernel at decode on the GPU, reading x as it is) takes x directly; any other
+    gets x in f32."""
+    logits = getattr(proj, "logits", None)
+    if logits is not None and x.is_cuda:
+        return logits(x)
+    return proj(x.float())
 
 
 def _route_on_gpu(
@@ -52,7 +62,7 @@ class SoftmaxTopKRouter:
     renormalize: bool
 
     def __call__(self, x: torch.Tensor) -> Routing:
-        logits = self.proj(x.float())  # [T, E] in f32, as llama.cpp computes the router
+        logits = _router_logits(self.proj, x)  # [T, E]
         if logits.is_cuda:
             return _route_on_gpu(logits, self.n_active, softmax_first=True, renormalize=self.renormalize)
         probs = torch.softmax(logits.float(), dim=-1)
@@ -146,7 +156,7 @@ class TopKSoftmaxRouter:
     bias: torch.Tensor | None = None  # [E]
 
     def __call__(self, x: torch.Tensor) -> Routing:
-        logits = self.proj(x.float())  # [T, E] in f32, as llama.cpp computes the router
+        logits = _router_logits(self.proj, x)  # [T, E]
         if logits.is_cuda:
             return _route_on_gpu(logits, self.n_active, softmax_first=False, bias=self.bias)
         logits = logits.float()
@@ -167,7 +177,7 @@ class NormedSoftmaxTopKRouter:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> Routing:
-        logits = self.proj(rms_norm(x.float(), self.input_scale, self.eps))  # [T, E] in f32, as llama.cpp
+        logits = _router_logits(self.proj, rms_norm(x.float(), self.input_scale, self.eps))  # [T, E]
         if logits.is_cuda:
             return _route_on_gpu(logits, self.n_active, softmax_first=True, renormalize=True)
         probs = torch.softmax(logits.float(), dim=-1)
