@@ -123,7 +123,7 @@ fi
 
 if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
   say "pytest -m gpu"
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu.py tests/test_gpu_offload.py >/tmp/pytest_gpu.log 2>&1
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu*.py >/tmp/pytest_gpu.log 2>&1
   say "pytest -m gpu: exit $? ($(grep -E "passed|failed" /tmp/pytest_gpu.log | tail -1))"
   grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
   grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/short test summary/p' /tmp/pytest_gpu.log | tail -80
