@@ -37,6 +37,8 @@
 #     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
 #   LLAMA_JOBS=16 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
+#   LLAMA_CMAKE_EXTRA=-DGGML_CUDA_FA=OFF (skip the FlashAttention kernels, unused: the comparison runs llama.cpp
+#     with flash attention off, llama-cpp-python's default; a shorter build)
 #   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 

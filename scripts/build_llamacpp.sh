@@ -12,7 +12,7 @@
 # with SIGILL (tilezero, "invalid opcode" in libggml-cpu.so) on the first prompt, so CPU builds add
 # -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 (they win over -march=native whatever the order).
 #
-# Environment: PYTHON (default: the repo venv's python, else python3), TARBALL, SRC_CACHE, JOBS.
+# Environment: PYTHON (default: the repo venv's python, else python3), TARBALL, SRC_CACHE, JOBS, LLAMA_CMAKE_EXTRA.
 # Use the result with PYTHONPATH=DIR (or sys.path.insert(0, DIR)), and import llama_cpp
 # BEFORE numpy (numpy first made the loader segfault in print_info, see shared/peers/README.md).
 set -euo pipefail
@@ -65,6 +65,10 @@ if [[ $cuda == 1 ]]; then
   cmake_args="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 $cmake_args"
   jobs="${JOBS:-12}"
 fi
+# Extra CMake options, e.g. LLAMA_CMAKE_EXTRA=-DGGML_CUDA_FA=OFF: the comparison runs llama.cpp with flash
+# attention off (llama-cpp-python's default), so its ~80 FlashAttention kernel files are never used, and
+# skipping them shortens the CUDA build.
+[[ -n "${LLAMA_CMAKE_EXTRA:-}" ]] && cmake_args="$cmake_args $LLAMA_CMAKE_EXTRA"
 if [[ $amx == 0 ]]; then
   noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   cmake_args="$cmake_args '-DCMAKE_C_FLAGS=$noamx' '-DCMAKE_CXX_FLAGS=$noamx'"

@@ -173,9 +173,10 @@ def test_fused_kv_store_in_cuda_graph() -> None:
     plain = LayerKV.allocate(1024, 2, head_dim, head_dim, torch.float16, "cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture (this writes row 0 of the cache)
         normed_rotated_attend(layer, q, k, v, pos, cache, 0)
     torch.cuda.current_stream().wait_stream(stream)
+    plain.store(0, rope.apply(k, pos, layer.k_norm, 1e-6), v, pos)  # the same row 0 in the reference cache
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = normed_rotated_attend(layer, q, k, v, pos, cache, 0)
