@@ -15,15 +15,17 @@
 # Device call:         run(command="bash bench/device_compare.sh", carry=[".whl", ".peers"], timeout_s=600)
 #
 # Time (default: 2 models x 3 placements x 2 engines x 3 reps, pp 512, tg 128, in DEADLINE_S=570 s): the
-# build ends at about 330 s; the benches share what is left, each model an equal part of what remains when
+# build ends at about 200 s; the benches share what is left, each model an equal part of what remains when
 # it starts (tandem bench --budget). One worker process per engine x placement (load and warm up once, then
 # the 3 repetitions), tandem and llama.cpp alternating; every row gets its first repetition before any row
 # runs into the time the others need (see src/tandem/bench/compare.py). A tandem process pays Triton's
 # autotuning in its warm-up unless the cache has it (TRITON_CACHE_AUTOTUNING=1, filled by PREWARM): some
-# 10-20 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
-# Measured (2026-11-30 09:52, one model, LLAMA_JOBS=16, GPU tests and prewarm during the build): ggml-python
-# 34 s, synth 19 s, llama.cpp built in 258 s (done at 356 s); the six rows of qwen3-30b-a3b (3 reps each)
-# then took 89 s. Two models fit one call (~550 s); a third needs GPU_TESTS=0 and a shorter matrix.
+# 20-40 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
+# Measured (2026-11-30): with the FlashAttention kernels skipped (the default, see LLAMA_CMAKE_EXTRA) the
+# llama.cpp build takes 191 s and one model's six rows 73 s: a whole qwen3-30b-a3b call took 268 s (10:52).
+# Two models with six rows each and a third with four fit one call (~450 s) without GPU_TESTS. The GPU tests
+# (122) take ~160 s alone and 284 s beside the build (10:46), and the benches wait for them: with GPU_TESTS=1
+# run one model per call.
 #
 # Knobs (environment):
 #   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets, each optionally NAME:MATRIX (its own matrix, e.g.
@@ -37,8 +39,9 @@
 #     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
 #   LLAMA_JOBS=16 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
-#   LLAMA_CMAKE_EXTRA=-DGGML_CUDA_FA=OFF (skip the FlashAttention kernels, unused: the comparison runs llama.cpp
-#     with flash attention off, llama-cpp-python's default; a shorter build)
+#   LLAMA_CMAKE_EXTRA (default -DGGML_CUDA_FA=OFF: skip the FlashAttention kernels, ~80 of the CUDA files; the
+#     comparison runs llama.cpp with flash attention off, llama-cpp-python's default, so they are never used
+#     and the path measured is the same as a full build's; set it empty for a full build)
 #   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
@@ -61,6 +64,7 @@ DEADLINE_S="${DEADLINE_S:-570}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
+export LLAMA_CMAKE_EXTRA="${LLAMA_CMAKE_EXTRA--DGGML_CUDA_FA=OFF}"  # read by scripts/build_llamacpp.sh
 
 main() {  # the whole run; its output goes to the terminal and to $OUT/device_compare.log (see the end)
 elapsed() { echo $(( $(date +%s) - t0 )); }

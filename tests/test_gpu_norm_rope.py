@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from norm_rope_refs import ref_rms_norm, ref_rope
 
 from tandem.layers.attention import AttentionShape, attend, normed_rotated_attend
 from tandem.layers.norm import add_rms_norm, rms_norm
@@ -19,20 +20,6 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # f16 has 11 significant bits, bf16 8: one ulp of the result (f32: 1e-6 relative).
 _BITS = {torch.float16: 11, torch.bfloat16: 8}
-
-
-def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.double()
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
-
-
-def ref_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NEOX rotation in float64 of x [T, H, Dh] over the first 2 * cos.shape[1] dimensions."""
-    half = cos.shape[1]
-    c, s = cos[pos].double().unsqueeze(1), sin[pos].double().unsqueeze(1)  # [T, 1, half]
-    x = x.double()
-    x1, x2 = x[..., :half], x[..., half : 2 * half]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half :]], dim=-1)
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' impo
 
 import pytest
 import torch
+from norm_rope_refs import ref_rms_norm, ref_rope
 
 triton = pytest.importorskip("triton", reason="triton is a dev dependency (pip install -e '.[dev]')")
 if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
@@ -17,19 +18,6 @@ if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
 from tandem.cuda import norm_rope  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.double()
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
-
-
-def ref_rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NEOX rotation in float64 of x [T, H, Dh] (float64) over the first 2 * cos.shape[1] dimensions."""
-    half = cos.shape[1]
-    c, s = cos[pos].double().unsqueeze(1), sin[pos].double().unsqueeze(1)  # [T, 1, half]
-    x1, x2 = x[..., :half], x[..., half : 2 * half]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half :]], dim=-1)
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:

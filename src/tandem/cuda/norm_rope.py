@@ -1,7 +1,7 @@
 """Triton kernels for RMSNorm and rotary embeddings: one launch each where torch takes 3 to 10.
 
 - `_rms_norm`: one row of the last dimension per program, f32 arithmetic, output in the input's dtype;
-- `_add_rms_norm`: the same after a residual add, writing the sum too (one kernel for `x + h` and the norm);
+  optionally after a residual add, writing the sum too (one kernel for `x + h` and the norm);
 - `_rope`: one head of one token per program (NEOX pairs (i, i + dim/2)), optionally after a per-head RMSNorm
   (q/k norms), cos/sin gathered at the token's position read on the device, so a captured CUDA graph
   replays with new positions; optionally written straight into a KV-cache row at that position;
@@ -28,55 +28,34 @@ def _inv_rms(sum_sq, n, eps):
 
 
 @triton.jit
-def _rms_norm(
-    x_ptr, w_ptr, out_ptr, n_cols, stride_row, stride_col, w_stride, eps, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
-):  # fmt: skip
-    """out[row] = x[row] / rms(x[row]) * w (rows of n_cols values, x strided, out contiguous)."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_row
-    out_row = out_ptr + row * n_cols
-    cols = tl.arange(0, BLOCK)
-    if N_CHUNKS == 1:  # the row stays in registers: one read
-        mask = cols < n_cols
-        x = tl.load(x_row + cols * stride_col, mask=mask, other=0.0).to(tl.float32)
-        scale = _inv_rms(tl.sum(x * x, axis=0), n_cols, eps)
-        w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row + cols, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for c in range(N_CHUNKS):
-            offs = c * BLOCK + cols
-            x = tl.load(x_row + offs * stride_col, mask=offs < n_cols, other=0.0).to(tl.float32)
-            acc += x * x
-        scale = _inv_rms(tl.sum(acc, axis=0), n_cols, eps)
-        for c in range(N_CHUNKS):
-            offs = c * BLOCK + cols
-            mask = offs < n_cols
-            x = tl.load(x_row + offs * stride_col, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs * w_stride, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + offs, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+def _row_values(x_row, h_row, offs, mask, x_stride, h_stride, sum_ptr, RESIDUAL: tl.constexpr):
+    """Values offs of a row in f32: x, or with RESIDUAL x + h (f32 add, one rounding to sum's dtype, as torch
+    adds: the norm then reads the rounded sum, as the unfused ops do)."""
+    x = tl.load(x_row + offs * x_stride, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        x += tl.load(h_row + offs * h_stride, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty).to(tl.float32)
+    return x
 
 
 @triton.jit
-def _add_rms_norm(
+def _rms_norm(
     x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, n_cols, x_stride_row, x_stride_col, h_stride_row, h_stride_col,
-    w_stride, eps, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
+    w_stride, eps, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """sum[row] = x[row] + h[row] (f32 add, one rounding to sum's dtype, as torch adds); out[row] = the
-    RMSNorm of the rounded sum times w. x and h strided, sum and out contiguous."""
+    """out[row] = v[row] / rms(v[row]) * w with v = x, or with RESIDUAL v = x + h, also written to sum (rows of
+    n_cols values; x and h strided, sum and out contiguous)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride_row
     h_row = h_ptr + row * h_stride_row
     sum_row = sum_ptr + row * n_cols
     out_row = out_ptr + row * n_cols
     cols = tl.arange(0, BLOCK)
-    if N_CHUNKS == 1:
+    if N_CHUNKS == 1:  # the row stays in registers: one read
         mask = cols < n_cols
-        x = tl.load(x_row + cols * x_stride_col, mask=mask, other=0.0).to(tl.float32)
-        x += tl.load(h_row + cols * h_stride_col, mask=mask, other=0.0).to(tl.float32)
-        total = x.to(sum_ptr.dtype.element_ty)
-        tl.store(sum_row + cols, total, mask=mask)
-        x = total.to(tl.float32)  # the norm reads the stored (rounded) sum, as the unfused ops do
+        x = _row_values(x_row, h_row, cols, mask, x_stride_col, h_stride_col, sum_ptr, RESIDUAL)
+        if RESIDUAL:
+            tl.store(sum_row + cols, x.to(sum_ptr.dtype.element_ty), mask=mask)
         scale = _inv_rms(tl.sum(x * x, axis=0), n_cols, eps)
         w = tl.load(w_ptr + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_row + cols, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -85,19 +64,15 @@ def _add_rms_norm(
         for c in range(N_CHUNKS):
             offs = c * BLOCK + cols
             mask = offs < n_cols
-            x = tl.load(x_row + offs * x_stride_col, mask=mask, other=0.0).to(tl.float32)
-            x += tl.load(h_row + offs * h_stride_col, mask=mask, other=0.0).to(tl.float32)
-            total = x.to(sum_ptr.dtype.element_ty)
-            tl.store(sum_row + offs, total, mask=mask)
-            x = total.to(tl.float32)
+            x = _row_values(x_row, h_row, offs, mask, x_stride_col, h_stride_col, sum_ptr, RESIDUAL)
+            if RESIDUAL:
+                tl.store(sum_row + offs, x.to(sum_ptr.dtype.element_ty), mask=mask)
             acc += x * x
         scale = _inv_rms(tl.sum(acc, axis=0), n_cols, eps)
-        for c in range(N_CHUNKS):  # recompute the sum: reading it back would need a barrier between threads
+        for c in range(N_CHUNKS):  # the values again (the sum recomputed: reading it back would need a barrier)
             offs = c * BLOCK + cols
             mask = offs < n_cols
-            x = tl.load(x_row + offs * x_stride_col, mask=mask, other=0.0).to(tl.float32)
-            x += tl.load(h_row + offs * h_stride_col, mask=mask, other=0.0).to(tl.float32)
-            x = x.to(sum_ptr.dtype.element_ty).to(tl.float32)
+            x = _row_values(x_row, h_row, offs, mask, x_stride_col, h_stride_col, sum_ptr, RESIDUAL)
             w = tl.load(w_ptr + offs * w_stride, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_row + offs, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -160,14 +135,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in f32, returned in x's dtype.
 
     weight: [D] or a scalar tensor (0-dim or [1]) of any float dtype."""
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)  # a view whenever the leading dimensions merge
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(n), _MAX_BLOCK)
-    _rms_norm[(rows.shape[0],)](
-        rows, weight, out, n, rows.stride(0), rows.stride(1), _w_stride(weight), eps,
-        BLOCK=block, N_CHUNKS=triton.cdiv(n, block), num_warps=max(1, min(8, block // 512)),
-    )  # fmt: skip
+    _launch_norm(x, None, weight, eps, out, out)
     return out
 
 
@@ -176,16 +145,24 @@ def add_rms_norm_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, rms_norm(x + h)) in one kernel, both in x's dtype: the sum rounded once as torch's `x + h`
     rounds it (x and h of one dtype and shape), the norm computed from that rounded sum as `rms_norm_rows`."""
-    n = x.shape[-1]
-    x_rows, h_rows = x.reshape(-1, n), h.reshape(-1, n)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(n), _MAX_BLOCK)
-    _add_rms_norm[(x_rows.shape[0],)](
-        x_rows, h_rows, weight, total, out, n, *x_rows.stride(), *h_rows.stride(), _w_stride(weight), eps,
-        BLOCK=block, N_CHUNKS=triton.cdiv(n, block), num_warps=max(1, min(8, block // 512)),
-    )  # fmt: skip
+    _launch_norm(x, h, weight, eps, total, out)
     return total, out
+
+
+def _launch_norm(
+    x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, total: torch.Tensor, out: torch.Tensor
+) -> None:
+    """`_rms_norm` over the rows of x (+ h into total, when h is given) into out."""
+    n = x.shape[-1]
+    x_rows = x.reshape(-1, n)  # a view whenever the leading dimensions merge
+    h_rows = x_rows if h is None else h.reshape(-1, n)  # not read without a residual
+    block = min(triton.next_power_of_2(n), _MAX_BLOCK)
+    _rms_norm[(x_rows.shape[0],)](
+        x_rows, h_rows, weight, total, out, n, *x_rows.stride(), *h_rows.stride(), _w_stride(weight), eps,
+        RESIDUAL=h is not None, BLOCK=block, N_CHUNKS=triton.cdiv(n, block), num_warps=max(1, min(8, block // 512)),
+    )  # fmt: skip
 
 
 def _check_rows_into(x: torch.Tensor, into: torch.Tensor) -> None:
