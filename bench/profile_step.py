@@ -3,7 +3,7 @@
     python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
 
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
-step spent in the host part of the host ops (ggml computing the experts, measured inside HostCall) against
+step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
 profiler). Also the ggml expert FFN alone at one token, for several thread counts (the CPU's floor).
 """
@@ -16,7 +16,7 @@ import time
 import torch
 
 import tandem
-from tandem.runtime.offload import HostCall
+from tandem.quant.ggml_cpu import CPUKernels
 
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
@@ -52,35 +52,44 @@ def _decode(llm: tandem.LLM, n: int) -> float:
 
 
 def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
-    """(host-part ms per token, step ms per token, host ops per token) over n decode steps."""
+    """(ggml compute ms per token, step ms per token, ggml computes per token) over n decode steps: the time
+    the CPU spends in ggml's graphs (the experts), measured around `CPUKernels._compute`, which the prepared
+    host ops of the captured step call too."""
     spent = [0.0]
     calls = [0]
-    hosts = [h for h in llm.model.host_boundaries if isinstance(h, HostCall)]
-    originals = [h.fn for h in hosts]
+    kernels = {id(k): k for k in _cpu_kernels(llm)}.values()
 
     def timed(fn):  # type: ignore[no-untyped-def]
-        def run(xs):  # type: ignore[no-untyped-def]
+        def run(graph):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
-            out = fn(xs)
+            fn(graph)
             spent[0] += time.perf_counter() - start
             calls[0] += 1
-            return out
 
         return run
 
-    for h in hosts:
-        h.fn = timed(h.fn)
+    for k in kernels:
+        k._compute = timed(k._compute)  # type: ignore[method-assign]
     try:
-        spent[0] = 0.0
-        calls[0] = 0
         rate = _decode(llm, n)
-        # _decode ran 2 warm-up steps plus n timed ones; the 64-token prompt streams (no host calls)
+        # _decode ran 2 untimed steps before the n timed ones (the 64-token prompt streams its experts)
         per_token_calls = calls[0] / (n + 2)
         host_ms = spent[0] / (n + 2) * 1e3
     finally:
-        for h, fn in zip(hosts, originals, strict=True):
-            h.fn = fn
+        for k in kernels:
+            del k._compute  # back to CPUKernels._compute
     return host_ms, 1e3 / rate, round(per_token_calls)
+
+
+def _cpu_kernels(llm: tandem.LLM) -> list[CPUKernels]:
+    """The CPUKernels instances behind the model's experts kept in host RAM."""
+    found = []
+    for block in llm.model.blocks:
+        experts = getattr(getattr(block.ffn, "experts", None), "on_cpu", None)
+        gate = getattr(experts, "gate", None)
+        if gate is not None and hasattr(gate, "kernels"):
+            found.append(gate.kernels)
+    return found
 
 
 def _profile_prefill(llm: tandem.LLM, n: int, rows: int = 14) -> str:
@@ -135,8 +144,6 @@ def _kernel_trace(llm: tandem.LLM) -> str:
 
 def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
     """The first CPU-resident layer's fused expert FFN at one token, alone, per thread count."""
-    from tandem.quant.ggml_cpu import CPUKernels
-
     layer = next((b.ffn for b in llm.model.blocks if hasattr(b.ffn, "experts")), None)
     experts = getattr(getattr(layer, "experts", None), "on_cpu", None)
     if experts is None or not hasattr(experts, "gate"):
@@ -191,10 +198,10 @@ def main() -> None:
             if llm.model.host_boundaries:
                 host_ms, step_ms, calls = _host_share(llm, a.tg)
                 print(
-                    f"   decode step {step_ms:.2f} ms: host parts {host_ms:.2f} ms ({calls} host ops per token), "
-                    f"the rest {step_ms - host_ms:.2f} ms"
+                    f"   decode step {step_ms:.2f} ms: ggml computes {host_ms:.2f} ms ({calls} per token), "
+                    f"the rest (GPU segments, hand-offs, Python) {step_ms - host_ms:.2f} ms"
                 )
-                line += f"; step {step_ms:.2f} ms = host {host_ms:.2f} + rest {step_ms - host_ms:.2f}"
+                line += f"; step {step_ms:.2f} ms = ggml {host_ms:.2f} + rest {step_ms - host_ms:.2f}"
                 for floor in _ggml_floor(llm, [int(t) for t in a.floor_threads.split(",")]):
                     print("   " + floor)
             print(_profile_prefill(llm, a.pp))
