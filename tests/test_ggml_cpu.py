@@ -588,3 +588,43 @@ def test_products_are_llamacpps_bit_for_bit(tmp_path: Path) -> None:
         assert sum(case["tiled"] for case in same) >= 8
     if ggml.ggml_cpu_has_avx2():
         assert sum(case["repacked"] for case in same) >= 15
+
+
+def test_fused_geglu_matches_two_products_and_the_gelu_table(kernels: CPUKernels) -> None:
+    """`geglu`: the two products and ggml's GEGLU in one graph, bit for bit the separate products times the
+    f16-table GELU; plain (Q5_0) and repacked (Q4_K) weights, the cached graph serving both pairs in turn."""
+    from tandem.layers.activations import ACTIVATIONS
+
+    rng = np.random.default_rng(13)
+    gelu = ACTIVATIONS["gelu_tanh_ggml"]
+    pairs = []
+    for qtype in (Q.Q5_0, Q.Q4_K):
+        ws = [prepare_cpu_weight(GGMLWeight(random_weight_bytes(qtype, (64, 512), rng), qtype, (64, 512)))
+              for _ in range(2)]  # fmt: skip
+        pairs += [ws, ws[::-1]]
+    torch.manual_seed(13)
+    for t in (1, 3):
+        x = torch.randn(t, 512) * 4
+        for gate, up in pairs * 2:
+            assert torch.equal(kernels.geglu(x, gate, up), gelu(kernels.matmul(x, gate)) * kernels.matmul(x, up))
+    with pytest.raises(ValueError):
+        kernels.geglu(torch.randn(gtiled.TILED_MIN_ROWS, 512), *pairs[0])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("scale", [0.0625, 0.1])  # scaled queries (a power of two) or scaled scores
+def test_decode_attention_graph_matches_the_emulation(window: int | None, scale: float) -> None:
+    """One query row over an f16 cache: ggml's attention nodes (`ggml_attention_row`) give the lane-ordered
+    emulation's results bit for bit, with grouped KV heads, a sliding window and ragged key counts."""
+    from tandem.layers.attention import AttentionShape, _attend_ggml, attend
+
+    shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=128, value_dim=64, scale=scale, sliding_window=window)
+    torch.manual_seed(14)
+    for n_keys in (1, 13, 64, 100):
+        q = torch.randn(1, 4, 128) * 3
+        keys, values = torch.randn(n_keys, 2, 128).half(), torch.randn(n_keys, 2, 64).half()
+        position = torch.tensor([n_keys - 1])
+        distance = position.unsqueeze(1) - torch.arange(n_keys).unsqueeze(0)
+        allowed = (distance >= 0) & (distance < (window or n_keys + 1))
+        emulated = _attend_ggml(q, keys, values, allowed, shape, None)
+        assert torch.equal(attend(q, keys, values, position, shape), emulated), n_keys

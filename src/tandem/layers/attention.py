@@ -16,6 +16,10 @@ attention (ggml-cpu: `mul_mat` through llamafile's tinyBLAS, `soft_max_ext`, AVX
   exponentials times the float 1/sum;
 - P.V: the probabilities are converted to f16 and summed over positions as in K.Q.
 
+Decoding (one query row, no softcap, no sinks) runs these as ggml's own nodes on the CPU
+(`ggml_attention_row`: `mul_mat`, `soft_max_ext`, `mul_mat`, the same kernels as llama.cpp's graph); the
+other cases emulate them in numpy/torch below.
+
 These are last-place differences, but the attention output feeds the 8-bit quantization of the output
 projection's activations, where one unit in the last place can move a rounding by a whole step: matching
 llama.cpp token for token needs them. An f32 (or bf16) cache keeps plain float32 products (with an f32
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
+from tandem.quant.ggml_cpu import ggml_attention_row
 from tandem.runtime.kv_cache import LayerKV
 
 
@@ -127,6 +132,8 @@ def attend(
         from tandem.cuda.decode_attention import decode_attention
 
         return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
+    if keys.dtype is torch.float16 and not q.is_cuda and q.shape[0] == 1 and s.softcap is None and sinks is None:
+        return _attend_row_ggml(q, keys, values, int(positions[0]), s)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     key_pos = torch.arange(n_keys, device=q.device)
@@ -263,6 +270,43 @@ def _softmax_ggml(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     return e * (1.0 / total).astype(np.float32)
 
 
+def _query_scaling(scale: float) -> tuple[bool, np.float32]:
+    """(whether the queries are scaled, the factor left for the scores). A power-of-two scale multiplies the
+    queries before their f16 conversion, as llama.cpp's Gemma graphs do (ggml_scale on Q); any other scale
+    multiplies the scores in the softmax (`kq_scale`). For a power of two the two differ only where
+    q * scale is an f16 subnormal, but there they do."""
+    scale_queries = scale > 0 and math.frexp(scale)[0] == 0.5
+    return scale_queries, np.float32(1.0 if scale_queries else scale)
+
+
+def _attend_row_ggml(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int, s: AttentionShape
+) -> torch.Tensor:
+    """Decoding with an f16 cache on the CPU (one query row [1, H, D] at `position`, no softcap, no sinks):
+    ggml's own attention nodes, which round as `_attend_ggml` does, in a fraction of its time -> [1, H, Dv].
+
+    Keys and values are zero-padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view:
+    the padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail."""
+    n_keys = keys.shape[0]
+    padded = -(-n_keys // _STEP) * _STEP
+    scale_queries, kq_scale = _query_scaling(s.scale)
+    q32 = q.detach().float().cpu().numpy()[0]
+    if scale_queries:
+        q32 = q32 * np.float32(s.scale)
+    # float32 copies in torch (numpy's f16 conversion is several times slower), values transposed so that
+    # the sums over positions run along rows
+    k = torch.zeros((padded, *keys.shape[1:]), dtype=torch.float32)
+    k[:n_keys] = keys
+    vt = torch.zeros((values.shape[1], values.shape[2], padded), dtype=torch.float32)
+    vt[..., :n_keys] = values.permute(1, 2, 0)
+    mask = np.full(padded, -np.inf, dtype=np.float32)
+    first = 0 if s.sliding_window is None else max(0, position - s.sliding_window + 1)
+    mask[first : min(position + 1, n_keys)] = 0.0
+    q16 = q32.astype(np.float16).astype(np.float32)
+    out = ggml_attention_row(q16, k.numpy(), vt.numpy(), mask, float(kq_scale))
+    return torch.from_numpy(out).unsqueeze(0).to(device=q.device, dtype=q.dtype)
+
+
 def _attend_ggml(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -281,11 +325,7 @@ def _attend_ggml(
     pv_lanes = _STEP if t == 1 or s.value_dim % 4 else _LANES
     kq_full = d - d % kq_lanes  # ggml_vec_dot_f16 adds the products past it one by one, in double
     padded = -(-n_keys // _STEP) * _STEP  # positions past the cache's are masked (probability 0)
-    # A power-of-two scale multiplies the queries before their f16 conversion, as llama.cpp's Gemma
-    # graphs do (ggml_scale on Q); any other scale multiplies the scores in the softmax (`kq_scale`).
-    # For a power of two the two differ only where q * scale is an f16 subnormal, but there they do.
-    scale_queries = s.scale > 0 and math.frexp(s.scale)[0] == 0.5
-    score_scale = np.float32(1.0 if scale_queries else s.scale)
+    scale_queries, score_scale = _query_scaling(s.scale)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)

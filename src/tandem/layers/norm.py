@@ -20,11 +20,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from tandem.cuda.norm_rope import rms_norm_rows
 
         return rms_norm_rows(x, weight, eps)
-    x32 = x.detach().float().contiguous().numpy()
+    w = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.float32(weight)
+    return torch.from_numpy(rms_norm_f32(x.detach().float().contiguous().numpy(), w, eps)).to(x.dtype)
+
+
+def rms_norm_f32(x32: np.ndarray, w: np.ndarray | np.float32, eps: float) -> np.ndarray:
+    """`rms_norm`'s CPU arithmetic on a float32 array (for callers that stay in numpy)."""
     mean = ((x32 * x32).sum(-1, keepdims=True, dtype=np.float64) / x32.shape[-1]).astype(np.float32)
     scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))  # float32: sqrtf, then a division
-    w = weight.detach().float().numpy() if isinstance(weight, torch.Tensor) else np.float32(weight)
-    return torch.from_numpy((x32 * scale) * w).to(x.dtype)
+    return (x32 * scale) * w
 
 
 def add_rms_norm(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.layers.norm import rms_norm
+from tandem.layers.norm import rms_norm_f32
 from tandem.quant.ggml_cpu import ggml_elementwise
 
 
@@ -154,18 +154,21 @@ class Rope:
             return rope_rows(x, positions, self._cos, self._sin, norm, eps, into)
         if into is not None:
             raise ValueError("Rope.apply writes `into` a buffer only on CUDA")
+        # numpy: a dozen small steps, each a fraction of torch's per-call cost
+        x32 = x.detach().float().contiguous().numpy()
         if norm is not None:
-            x = rms_norm(x, norm, eps)
-        cos = self._cos[positions].unsqueeze(1)  # [T, 1, half]
-        sin = self._sin[positions].unsqueeze(1)
+            x32 = rms_norm_f32(x32, norm.detach().float().numpy(), eps)
+            if x.dtype is not torch.float32:  # rounded to x's dtype between the two, as two ops would
+                x32 = torch.from_numpy(x32).to(x.dtype).float().numpy()
+        pos = positions.numpy()
+        cos = self._cos.numpy()[pos][:, None]  # [T, 1, half]
+        sin = self._sin.numpy()[pos][:, None]
         half = self.spec.dim // 2
-        x1 = x[..., :half].float()
-        x2 = x[..., half : self.spec.dim].float()
-        # fma(x1, cos, -(x2*sin)) and fma(x1, sin, x2*cos), as ggml's CPU rope is compiled
-        x1d = x1.double()
-        first = x1d * cos.double() - (x2 * sin).double()
-        second = x1d * sin.double() + (x2 * cos).double()
-        rotated = torch.cat([first, second], dim=-1).float().to(x.dtype)
-        if self.spec.dim == x.shape[-1]:
-            return rotated
-        return torch.cat([rotated, x[..., self.spec.dim :]], dim=-1)
+        x1d = x32[..., :half].astype(np.float64)
+        x2 = x32[..., half : self.spec.dim]
+        # fma(x1, cos, -(x2*sin)) and fma(x1, sin, x2*cos), as ggml's CPU rope is compiled: the float32
+        # products x1*cos, x1*sin are exact in double, and the sum is rounded once to float32
+        out = x32.copy() if self.spec.dim < x32.shape[-1] else np.empty_like(x32)
+        out[..., :half] = x1d * cos - (x2 * sin).astype(np.float64)
+        out[..., half : self.spec.dim] = x1d * sin + (x2 * cos).astype(np.float64)
+        return torch.from_numpy(out).to(x.dtype)

@@ -327,6 +327,64 @@ class CPUKernels:
         # x, y and w were referenced by locals throughout the (synchronous) compute.
         return y
 
+    def geglu(self, x: torch.Tensor, gate: GGMLWeight, up: GGMLWeight) -> torch.Tensor:
+        """ggml_geglu_split(gate(x), up(x)) in one graph: both products and ggml's GEGLU (its f16 GELU table)
+        for one compute call. For fewer than `TILED_MIN_ROWS` rows (the tiled product is not used then).
+
+        x: [T, K]; gate, up: (F, K) matrices. Returns [T, F] float32."""
+        x = _as_f32(x)
+        t = x.shape[0]
+        f, k = gate.shape
+        if up.shape != gate.shape or x.dim() != 2 or x.shape[1] != k or not 0 < t < TILED_MIN_ROWS:
+            raise ValueError(f"geglu needs x [T < {TILED_MIN_ROWS}, {k}] and two ({f}, {k}) weights")
+        y = torch.empty(t, f, dtype=torch.float32)
+        key = (3, int(gate.qtype), int(up.qtype), f, k, t, gate.repacked is not None, up.repacked is not None)
+        with self._lock:
+            g = self._ffn_graphs.get(key)
+            if g is None:
+                g = self._build_geglu(key, gate, up, x)
+            for tensor, w in zip(g.inputs[:2], (gate, up), strict=True):
+                _point_weight(tensor, w)
+            g.inputs[2].data = x.data_ptr()
+            g.inputs[3].data = y.data_ptr()
+            self._compute(g.graph)
+        return y
+
+    def _build_geglu(self, key: tuple[int, ...], gate: GGMLWeight, up: GGMLWeight, x: torch.Tensor) -> _FFNGraph:
+        """Build the `geglu` graph; the products' outputs get memory from a graph allocator."""
+        if self._backend is None:
+            raise RuntimeError("CPUKernels is closed")
+        f, k = gate.shape
+        t = x.shape[0]
+        mem = ggml.ggml_tensor_overhead() * 8 + ggml.ggml_graph_overhead_custom(8, False)
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        if not ctx:
+            raise MemoryError("ggml_init failed")
+        try:
+            g_t = _new_tensor(ctx, int(gate.qtype), (k, f))
+            u_t = _new_tensor(ctx, int(up.qtype), (k, f))
+            x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, (k, t))
+            # Inputs point at real memory before allocation, so the allocator leaves them alone.
+            for tensor, w in ((g_t.contents, gate), (u_t.contents, up)):
+                _point_weight(tensor, w)
+            x_t.contents.data = x.data_ptr()
+            for tensor in (g_t, u_t, x_t):
+                ggml.ggml_set_input(tensor)
+            out = ggml.ggml_geglu_split(ctx, ggml.ggml_mul_mat(ctx, g_t, x_t), ggml.ggml_mul_mat(ctx, u_t, x_t))
+            ggml.ggml_set_output(out)
+            graph = ggml.ggml_new_graph_custom(ctx, 8, False)
+            ggml.ggml_build_forward_expand(graph, out)
+            allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
+            if not allocator or not ggml.ggml_gallocr_alloc_graph(allocator, graph):
+                raise MemoryError("ggml_gallocr_alloc_graph failed")
+        except BaseException:
+            ggml.ggml_free(ctx)
+            raise
+        g = _FFNGraph(ctx=ctx, graph=ctypes.cast(graph, ctypes.c_void_p).value or 0, allocator=allocator,
+                      inputs=[g_t.contents, u_t.contents, x_t.contents, out.contents])  # fmt: skip
+        self._ffn_graphs[key] = g
+        return g
+
     def mul_mat_id(
         self, x: torch.Tensor, w: GGMLWeight, ids: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -631,6 +689,17 @@ def _check_ids(ids: torch.Tensor, n_experts: int) -> None:
         raise ValueError(f"expert ids must be in [0, {n_experts}), got range [{int(lo)}, {int(hi)}]")
 
 
+def _point_weight(tensor: ggml.ggml_tensor, w: GGMLWeight) -> None:
+    """Point a matrix's ggml tensor at w's bytes: the mapped blocks, or the repacked copy (whose buffer type
+    selects ggml's repacked kernels and whose extra is their layout)."""
+    if w.repacked is None:
+        tensor.data = w.ptr
+    else:
+        tensor.data = w.repacked.data
+        tensor.buffer = w.repacked.buffer
+        tensor.extra = w.repacked.extra
+
+
 def _new_tensor(ctx: int, gtype: int, ne: tuple[int, ...]) -> ggml.ggml_tensor_p:
     if len(ne) == 2:
         return ggml.ggml_new_tensor_2d(ctx, gtype, ne[0], ne[1])
@@ -651,3 +720,92 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
     if out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous() or out.shape != shape:
         raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {shape}")
     return out
+
+
+@dataclass(eq=False)
+class _AttentionGraph:
+    """A cached one-row attention graph (see `ggml_attention_row`): its contexts, graph, plan and the input
+    tensors repointed per call (q, k, v^T, mask), the output's memory and the plan's work buffer."""
+
+    contexts: tuple[int, int]
+    graph: ggml.ggml_cgraph_p
+    plan: ggml.ggml_cplan
+    inputs: tuple[ggml.ggml_tensor, ...]
+    out: np.ndarray
+    work: np.ndarray
+
+    def __del__(self) -> None:
+        # Interpreter shutdown may have torn down ggml already; freeing is best effort then.
+        try:
+            for ctx in self.contexts:
+                ggml.ggml_free(ctx)
+        except Exception:
+            pass
+
+
+_ATTENTION_GRAPHS: OrderedDict[tuple[int | float, ...], _AttentionGraph] = OrderedDict()
+_MAX_ATTENTION_GRAPHS = 16  # decode needs one per layer geometry and scale; it moves on every 64 positions
+_attention_lock = threading.Lock()
+
+
+def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float) -> _AttentionGraph:
+    """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(v^T, kq), the nodes of llama.cpp's attention
+    without flash attention; the inputs' memory is the caller's, the rest the compute context's.
+
+    Its f16 products run as float32 ones on exact conversions (the caller's keys and values, the query and
+    the probabilities rounded to f16 first): this ggml build's f16 `mul_mat` returns scores at f16 precision
+    on an AVX512-FP16 CPU, where llama.cpp's sums in float32 with the lanes and reduction of
+    `ggml_vec_dot_f32` (exact products, so its fused multiply-adds are the same additions)."""
+    inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 4, mem_buffer=None,
+                                                      no_alloc=True))  # fmt: skip
+    mem = 4 * (4 * n * h + dv * h) + 16 * ggml.ggml_tensor_overhead()
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem + ggml.ggml_graph_overhead_custom(16, False) + 4096,
+                                               mem_buffer=None, no_alloc=False))  # fmt: skip
+    if not inputs_ctx or not ctx:
+        raise MemoryError("ggml_init failed")
+    f32 = ggml.GGML_TYPE_F32
+    q = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, 1, h)
+    k = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, n, g)
+    k.contents.nb[1], k.contents.nb[2] = 4 * d * g, 4 * d  # strided over the cache's [N, G, D] layout
+    vt = ggml.ggml_new_tensor_3d(inputs_ctx, f32, n, dv, g)
+    mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, 1)
+    kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, 1, H]
+    kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), f32)
+    out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, 1, H]
+    graph = ggml.ggml_new_graph_custom(ctx, 16, False)
+    ggml.ggml_build_forward_expand(graph, out)
+    plan = ggml.ggml_graph_plan(graph, 1, None)  # one thread: a few hundred thousand products
+    work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
+    plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, dv))
+    return _AttentionGraph((inputs_ctx, ctx), graph, plan,
+                           (q.contents, k.contents, vt.contents, mask.contents), result, work)  # fmt: skip
+
+
+def ggml_attention_row(q: np.ndarray, k: np.ndarray, vt: np.ndarray, mask: np.ndarray, kq_scale: float) -> np.ndarray:
+    """One query row's attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
+    `soft_max_ext` kernel, and its f16 `mul_mat` sums (query and probabilities rounded to f16) in the lanes
+    and order llama.cpp's build uses (see `_build_attention`).
+
+    q: [H, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
+    holding f16 values; mask: [N] float32 (0 or -inf); all C-contiguous. Query head h reads KV head
+    h // (H / G).
+    Returns [H, Dv] float32 (a fresh array)."""
+    h, d = q.shape
+    n, g, _ = k.shape
+    dv = vt.shape[1]
+    key = (h, g, d, dv, n, float(kq_scale))
+    with _attention_lock:  # the cached graph's input pointers are rewritten per call
+        a = _ATTENTION_GRAPHS.get(key)
+        if a is None:
+            a = _ATTENTION_GRAPHS[key] = _build_attention(h, g, d, dv, n, float(kq_scale))
+            while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
+                _ATTENTION_GRAPHS.popitem(last=False)
+        else:
+            _ATTENTION_GRAPHS.move_to_end(key)
+        for tensor, array in zip(a.inputs, (q, k, vt, mask), strict=True):
+            tensor.data = array.ctypes.data
+        status = ggml.ggml_graph_compute(a.graph, ctypes.byref(a.plan))
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        return a.out.copy()
