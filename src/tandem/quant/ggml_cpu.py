@@ -372,11 +372,7 @@ class CPUKernels:
                 ggml.ggml_set_input(tensor)
             out = ggml.ggml_geglu_split(ctx, ggml.ggml_mul_mat(ctx, g_t, x_t), ggml.ggml_mul_mat(ctx, u_t, x_t))
             ggml.ggml_set_output(out)
-            graph = ggml.ggml_new_graph_custom(ctx, 8, False)
-            ggml.ggml_build_forward_expand(graph, out)
-            allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
-            if not allocator or not ggml.ggml_gallocr_alloc_graph(allocator, graph):
-                raise MemoryError("ggml_gallocr_alloc_graph failed")
+            graph, allocator = self._allocated_graph(ctx, out, 8)
         except BaseException:
             ggml.ggml_free(ctx)
             raise
@@ -525,11 +521,7 @@ class CPUKernels:
             if a == 1:
                 out = ggml.ggml_cont(ctx, out)
             ggml.ggml_set_output(out)
-            graph = ggml.ggml_new_graph_custom(ctx, n_nodes, False)
-            ggml.ggml_build_forward_expand(graph, out)
-            allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
-            if not allocator or not ggml.ggml_gallocr_alloc_graph(allocator, graph):
-                raise MemoryError("ggml_gallocr_alloc_graph failed")
+            graph, allocator = self._allocated_graph(ctx, out, n_nodes)
         except BaseException:
             ggml.ggml_free(ctx)
             raise
@@ -583,6 +575,16 @@ class CPUKernels:
             return build()
         self._graphs.move_to_end(key)
         return g
+
+    def _allocated_graph(self, ctx: int, out: object, n_nodes: int) -> tuple[object, object]:
+        """The graph computing `out` in ctx, its intermediates placed by a graph allocator on the backend's
+        buffer type: (graph, allocator); the caller frees ctx if this raises."""
+        graph = ggml.ggml_new_graph_custom(ctx, n_nodes, False)
+        ggml.ggml_build_forward_expand(graph, out)
+        allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
+        if not allocator or not ggml.ggml_gallocr_alloc_graph(allocator, graph):
+            raise MemoryError("ggml_gallocr_alloc_graph failed")
+        return graph, allocator
 
     def _compute(self, graph: int) -> None:
         """Run a graph whose tensors point at the caller's buffers. Caller holds the lock."""
