@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.errors import UnsupportedModelError
-from tandem.quant.ggml_cpu import ggml_elementwise
+from tandem.quant.ggml_ops import ggml_elementwise
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:

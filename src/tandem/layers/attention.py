@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
-from tandem.quant.ggml_cpu import ggml_attention_row
+from tandem.quant.ggml_ops import ggml_attention_row
 from tandem.runtime.kv_cache import LayerKV
 
 

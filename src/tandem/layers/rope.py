@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tandem.layers.norm import rms_norm_f32
-from tandem.quant.ggml_cpu import ggml_elementwise
+from tandem.quant.ggml_ops import ggml_elementwise
 
 
 @dataclass(frozen=True)

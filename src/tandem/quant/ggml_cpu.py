@@ -35,7 +35,7 @@ import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -652,38 +652,6 @@ class CPUKernels:
         return g
 
 
-def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
-    """ggml's unary ops (names such as "cos", "gelu") applied to x (float32 or float16, any shape) on
-    ggml's CPU backend, one thread: the exact values ggml's own kernels give (its cos/sin call the C
-    library, its gelu reads its f16 table). One result per op, in x's dtype and shape."""
-    gtype = {np.dtype(np.float32): ggml.GGML_TYPE_F32, np.dtype(np.float16): ggml.GGML_TYPE_F16}[x.dtype]
-    flat = np.ascontiguousarray(x).reshape(-1)
-    n = flat.size
-    if n == 0:
-        return [flat.reshape(x.shape).copy() for _ in ops]
-    mem = (
-        (len(ops) + 1) * flat.nbytes + (len(ops) + 4) * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead() + 4096
-    )
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
-    if not ctx:
-        raise MemoryError("ggml_init failed")
-    try:
-        src = ggml.ggml_new_tensor_1d(ctx, gtype, n)
-        ctypes.memmove(ggml.ggml_get_data(src), flat.ctypes.data, flat.nbytes)
-        outs = [getattr(ggml, f"ggml_{op}")(ctx, src) for op in ops]
-        graph = ggml.ggml_new_graph(ctx)
-        for out in outs:
-            ggml.ggml_build_forward_expand(graph, out)
-        ggml.ggml_graph_compute_with_ctx(ctx, graph, 1)
-        results = []
-        for out in outs:
-            buf = (ctypes.c_char * flat.nbytes).from_address(ggml.ggml_get_data(out))
-            results.append(np.frombuffer(buf, dtype=x.dtype).copy().reshape(x.shape))
-        return results
-    finally:
-        ggml.ggml_free(ctx)
-
-
 def _check_ids(ids: torch.Tensor, n_experts: int) -> None:
     """ggml aborts the whole process on an out-of-range expert id: refuse it here instead."""
     lo, hi = torch.aminmax(ids)
@@ -722,92 +690,3 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
     if out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous() or out.shape != shape:
         raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {shape}")
     return out
-
-
-@dataclass(eq=False)
-class _AttentionGraph:
-    """A cached one-row attention graph (see `ggml_attention_row`): its contexts, graph, plan and the input
-    tensors repointed per call (q, k, v^T, mask), the output's memory and the plan's work buffer."""
-
-    contexts: tuple[int, int]
-    graph: ggml.ggml_cgraph_p
-    plan: ggml.ggml_cplan
-    inputs: tuple[ggml.ggml_tensor, ...]
-    out: np.ndarray
-    work: np.ndarray
-
-    def __del__(self) -> None:
-        # Interpreter shutdown may have torn down ggml already; freeing is best effort then.
-        try:
-            for ctx in self.contexts:
-                ggml.ggml_free(ctx)
-        except Exception:
-            pass
-
-
-_ATTENTION_GRAPHS: OrderedDict[tuple[int | float, ...], _AttentionGraph] = OrderedDict()
-_MAX_ATTENTION_GRAPHS = 16  # decode needs one per layer geometry and scale; it moves on every 64 positions
-_attention_lock = threading.Lock()
-
-
-def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float) -> _AttentionGraph:
-    """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(v^T, kq), the nodes of llama.cpp's attention
-    without flash attention; the inputs' memory is the caller's, the rest the compute context's.
-
-    Its f16 products run as float32 ones on exact conversions (the caller's keys and values, the query and
-    the probabilities rounded to f16 first): this ggml build's f16 `mul_mat` returns scores at f16 precision
-    on an AVX512-FP16 CPU, where llama.cpp's sums in float32 with the lanes and reduction of
-    `ggml_vec_dot_f32` (exact products, so its fused multiply-adds are the same additions)."""
-    inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 4, mem_buffer=None,
-                                                      no_alloc=True))  # fmt: skip
-    mem = 4 * (4 * n * h + dv * h) + 16 * ggml.ggml_tensor_overhead()
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem + ggml.ggml_graph_overhead_custom(16, False) + 4096,
-                                               mem_buffer=None, no_alloc=False))  # fmt: skip
-    if not inputs_ctx or not ctx:
-        raise MemoryError("ggml_init failed")
-    f32 = ggml.GGML_TYPE_F32
-    q = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, 1, h)
-    k = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, n, g)
-    k.contents.nb[1], k.contents.nb[2] = 4 * d * g, 4 * d  # strided over the cache's [N, G, D] layout
-    vt = ggml.ggml_new_tensor_3d(inputs_ctx, f32, n, dv, g)
-    mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, 1)
-    kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, 1, H]
-    kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), f32)
-    out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, 1, H]
-    graph = ggml.ggml_new_graph_custom(ctx, 16, False)
-    ggml.ggml_build_forward_expand(graph, out)
-    plan = ggml.ggml_graph_plan(graph, 1, None)  # one thread: a few hundred thousand products
-    work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
-    plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-    result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, dv))
-    return _AttentionGraph((inputs_ctx, ctx), graph, plan,
-                           (q.contents, k.contents, vt.contents, mask.contents), result, work)  # fmt: skip
-
-
-def ggml_attention_row(q: np.ndarray, k: np.ndarray, vt: np.ndarray, mask: np.ndarray, kq_scale: float) -> np.ndarray:
-    """One query row's attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
-    `soft_max_ext` kernel, and its f16 `mul_mat` sums (query and probabilities rounded to f16) in the lanes
-    and order llama.cpp's build uses (see `_build_attention`).
-
-    q: [H, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
-    holding f16 values; mask: [N] float32 (0 or -inf); all C-contiguous. Query head h reads KV head
-    h // (H / G).
-    Returns [H, Dv] float32 (a fresh array)."""
-    h, d = q.shape
-    n, g, _ = k.shape
-    dv = vt.shape[1]
-    key = (h, g, d, dv, n, float(kq_scale))
-    with _attention_lock:  # the cached graph's input pointers are rewritten per call
-        a = _ATTENTION_GRAPHS.get(key)
-        if a is None:
-            a = _ATTENTION_GRAPHS[key] = _build_attention(h, g, d, dv, n, float(kq_scale))
-            while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
-                _ATTENTION_GRAPHS.popitem(last=False)
-        else:
-            _ATTENTION_GRAPHS.move_to_end(key)
-        for tensor, array in zip(a.inputs, (q, k, vt, mask), strict=True):
-            tensor.data = array.ctypes.data
-        status = ggml.ggml_graph_compute(a.graph, ctypes.byref(a.plan))
-        if status != 0:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
-        return a.out.copy()
