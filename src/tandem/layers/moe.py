@@ -33,9 +33,7 @@ def _router_logits(proj: Linear, x: torch.Tensor) -> torch.Tensor:
     (DenseLinear.logits: one kernel at decode on the GPU, reading x as it is) takes x directly; any other
     gets x in f32."""
     logits = getattr(proj, "logits", None)
-    if logits is not None and x.is_cuda:
-        return logits(x)
-    return proj(x.float())
+    return proj(x.float()) if logits is None else logits(x)
 
 
 def _route_on_gpu(
