@@ -4,7 +4,7 @@
 #      for sm_90 (scripts/build_llamacpp.sh --cuda) in the background, about 5 minutes. Meanwhile, nothing
 #      measured: synthesise the models (`tandem synth --like MODEL`, ~16 s each; all of them when the model
 #      folder has room), run the GPU tests (GPU_TESTS=1), and fill Triton's autotuning cache with one short
-#      untimed tandem run per model (PREWARM, see below) while the build still runs;
+#      untimed tandem run per model on a 2-layer copy (PREWARM, see below) while the build still runs;
 #   2. per model: `tandem bench --compare llamacpp` over the placement matrix (--cpu-moe, --n-cpu-moe half
 #      the layers, all on the GPU), then delete the model;
 #   3. the reports land in $OUT/MODEL/report.{json,md,png}, the log in $OUT/device_compare.log (8 files at
@@ -35,8 +35,11 @@
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log)
-#   PREWARM=1 (default; 0: off) one untimed `tandem bench --tg 4 --reps 1` per synthesised model while the
-#     build still runs, which leaves Triton's compiled kernels and autotuning results in its disk cache
+#   PREWARM=1 (default; 0: off) per preset, a 2-layer copy (`synth --layers 2`) run once untimed (`tandem bench
+#     --matrix n-cpu-moe=half --tg 4 --reps 1`), all presets side by side right after ggml-python is built:
+#     Triton's compiles and autotuning are per kernel and shape, so the cache then serves the full models
+#     (not with MODEL_FILES). Measured 11:46 with full-size prewarm runs one after the other: 255 s for three
+#     models, which left the benches 50 s each.
 #   LLAMA_JOBS=16 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
 #   LLAMA_CMAKE_EXTRA (default -DGGML_CUDA_FA=OFF: skip the FlashAttention kernels, ~80 of the CUDA files; the
@@ -117,6 +120,29 @@ synth() {  # synth PRESET -> prints the path (made now unless it was made while 
 read -r -a models <<<"$MODELS"
 read -r -a files <<<"${MODEL_FILES:-}"
 building() { [[ -n "$llama_pid" ]] && kill -0 "$llama_pid" 2>/dev/null; }
+
+# Prewarm (untimed, while llama.cpp builds): Triton compiles and autotunes per kernel and shape, not per layer,
+# so a 2-layer copy of each preset fills the cache for the whole model. One process per model with half the
+# layers' experts on the CPU runs both the GPU-expert and the CPU-expert (streamed prefill) kernels; the
+# models run side by side, beside the full synths.
+prewarm_pids=()
+if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu && ${#files[@]} -eq 0 ]]; then
+  for m in "${models[@]%%:*}"; do
+    (
+      small="$MODEL_DIR/prewarm-$m.gguf"
+      "$PY" -m tandem.cli.main synth --like "$m" -o "$small" --layers 2 --overwrite >/tmp/prewarm_"$m".log 2>&1 &&
+        "$PY" -m tandem.cli.main bench -m "$small" --device "$DEVICE" -t 4 --matrix n-cpu-moe=half \
+          --pp "${PP%%,*}" --tg 4 --reps 1 >>/tmp/prewarm_"$m".log 2>&1
+      rc=$?
+      rm -f "$small"
+      say "prewarm $m: exit $rc (untimed: fills Triton's cache)"
+      (( rc == 0 )) || tail -5 /tmp/prewarm_"$m".log
+    ) &
+    prewarm_pids+=($!)
+  done
+  say "prewarm: ${#prewarm_pids[@]} models (2 layers each) side by side"
+fi
+
 early=()  # models made while llama.cpp builds: the first always, the others while the folder has room
 if [[ ${#files[@]} -eq 0 ]]; then
   for m in "${models[@]%%:*}"; do
@@ -126,6 +152,8 @@ if [[ ${#files[@]} -eq 0 ]]; then
     synth "$m" >/dev/null && { say "synth $m: $(du -h "$MODEL_DIR/$m.gguf" | cut -f1)"; early+=("$MODEL_DIR/$m.gguf"); }
   done
 fi
+for pid in "${prewarm_pids[@]}"; do wait "$pid"; done
+(( ${#prewarm_pids[@]} > 0 )) && say "prewarm done"
 
 if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
   say "pytest -m gpu"
@@ -133,16 +161,6 @@ if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp
   say "pytest -m gpu: exit $? ($(grep -E "passed|failed" /tmp/pytest_gpu.log | tail -1))"
   grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
   grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/short test summary/p' /tmp/pytest_gpu.log | tail -80
-fi
-
-if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu ]]; then  # Triton's compiles and autotuning, while the build runs
-  for model in "${early[@]}" "${files[@]}"; do
-    building || break
-    say "prewarm $(basename "$model") (untimed: fills Triton's cache)"
-    "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" --pp "${PP%%,*}" --tg 4 --reps 1 \
-      >/tmp/prewarm.log 2>&1 || { say "prewarm FAILED (the benches will tune for themselves)"; tail -5 /tmp/prewarm.log; }
-  done
-  say "prewarm done"
 fi
 
 if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # untimed: the kernel order only

@@ -81,6 +81,58 @@ def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
     return host_ms, 1e3 / rate, round(per_token_calls)
 
 
+def _step_breakdown(llm: tandem.LLM, n: int) -> str:
+    """Where the host's time goes in n replays of the captured decode step: launching the graph segments
+    (CPU time of `CUDAGraph.replay`), the GPU time of each segment (CUDA events around it), and the host
+    steps between them (waiting for the segment's copies, then ggml), per token."""
+    graph = getattr(llm.engine._decode_graph, "graph", None)
+    if graph is None:
+        return "(no captured decode step)"
+    steps = list(graph.steps)
+    launch = [0.0]
+    host = [0.0]
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed_graph(step):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            start = time.perf_counter()
+            step()
+            launch[0] += time.perf_counter() - start
+            end.record()
+            events.append((begin, end))
+
+        return run
+
+    def timed_host(step):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            start = time.perf_counter()
+            step()
+            host[0] += time.perf_counter() - start
+
+        return run
+
+    n_graphs = sum(isinstance(getattr(s, "__self__", None), torch.cuda.CUDAGraph) for s in steps)
+    graph.steps = [
+        timed_graph(s) if isinstance(getattr(s, "__self__", None), torch.cuda.CUDAGraph) else timed_host(s)
+        for s in steps
+    ]
+    try:
+        step_ms = 1e3 / _decode(llm, n)
+    finally:
+        graph.steps = steps
+    _sync()
+    per = n + 2  # _decode replays 2 untimed steps before the n timed ones
+    gpu_ms = sum(b.elapsed_time(e) for b, e in events) / per
+    return (
+        f"decode step {step_ms:.2f} ms with timing events (+2 per segment): {n_graphs} graph segments and "
+        f"{len(steps) - n_graphs} host steps per token; launching the segments {launch[0] / per * 1e3:.2f} ms "
+        f"(CPU), the segments on the GPU {gpu_ms:.2f} ms, host steps (wait for copies + ggml) "
+        f"{host[0] / per * 1e3:.2f} ms"
+    )
+
+
 def _cpu_kernels(llm: tandem.LLM) -> list[CPUKernels]:
     """The CPUKernels instances behind the model's experts kept in host RAM."""
     found = []
@@ -133,9 +185,7 @@ def _kernel_trace(llm: tandem.LLM) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.append([int(torch.argmax(logits))])
         _sync()
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start
-    )
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     total = sum(e.time_range.elapsed_us() for e in kernels)
     lines = [f"one decode step: {len(kernels)} GPU kernels/copies, {total / 1e3:.2f} ms of GPU time"]
     lines += [f"{e.time_range.elapsed_us():8.1f} us  {e.name[:110]}" for e in kernels]
@@ -204,6 +254,9 @@ def main() -> None:
                 line += f"; step {step_ms:.2f} ms = ggml {host_ms:.2f} + rest {step_ms - host_ms:.2f}"
                 for floor in _ggml_floor(llm, [int(t) for t in a.floor_threads.split(",")]):
                     print("   " + floor)
+            breakdown = _step_breakdown(llm, a.tg)
+            print("   " + breakdown)
+            line += "\n   " + breakdown
             print(_profile_prefill(llm, a.pp))
             print(_profile_decode(llm))
             if a.trace:
