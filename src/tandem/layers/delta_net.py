@@ -12,7 +12,8 @@ transformers' torch reference and llama.cpp; they agree to float32 rounding.
 The one-token step of `GatedDeltaNet` can be captured as a CUDA graph: its shapes do not depend on
 the position, it reads no tensor value on the host, and it updates the conv and recurrent state tensors
 in place (`copy_`), so a replay advances the live state. The position count is host bookkeeping, done
-around the step (`KVCache.captured_step` / `KVCache.advance`) when it is captured.
+around the step (`KVCache.captured_step` / `KVCache.advance`) when it is captured. On a GPU that step runs
+between the projections as two Triton kernels (cuda/delta_net.py) instead of the torch ops below.
 
 Shapes: T = tokens, C = conv channels (2*Hk*Dk + Hv*Dv), K = conv kernel, Hk / Hv = key / value
 heads, Dk / Dv = key / value head dims, N = chunks, L = chunk length.
@@ -235,6 +236,17 @@ class GatedDeltaNet:
             return x.unsqueeze(1).expand(t, r, hk, d).reshape(t, r * hk, d)
         return x.unsqueeze(2).expand(t, hk, r, d).reshape(t, hk * r, d)  # grouped: j // r
 
+    def _fused_step(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        """The one-token step between the projections in two Triton kernels (cuda/delta_net.py) instead of
+        ~40 small torch ops; the same arithmetic to f32 rounding. Returns the out projection's input [1, Hv*Dv]."""
+        from tandem.cuda.delta_net import gated_delta_step
+
+        b, a = self.beta_alpha(x)  # [1, Hv] each
+        return gated_delta_step(
+            self.qkv(x), self.gate(x), b, a, state, self.conv_weight, self.dt_bias, self.a, self.norm,
+            self.shape, self.eps, x.dtype,
+        )  # fmt: skip
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: DeltaNetState, start: int) -> torch.Tensor:
         """x [T, D] at positions start..start+T-1, continuing `state`. Inside `KVCache.captured_step`
         (`state.counted_outside`) the step is one token and leaves the position count to the caller;
@@ -246,6 +258,14 @@ class GatedDeltaNet:
                 raise StateOrderError(f"a captured delta-net step takes one token, got {t}")
         elif start != state.length:
             raise StateOrderError(f"delta-net state holds {state.length} positions, cannot continue at {start}")
+        if t == 1 and x.is_cuda:  # Triton only with a GPU
+            from tandem.cuda.delta_net import step_fits
+
+            if step_fits(s):
+                o = self._fused_step(x, state)
+                if not state.counted_outside:
+                    state.length += 1
+                return self.out(o)
         mixed = F.silu(causal_conv1d(self.qkv(x), state.conv, self.conv_weight))  # [T, C]
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = self._expand_heads(l2_normalize(q.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))  # [T, Hv, Dk]
