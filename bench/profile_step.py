@@ -82,9 +82,10 @@ def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
 
 
 def _step_breakdown(llm: tandem.LLM, n: int) -> str:
-    """Where the host's time goes in n replays of the captured decode step: launching the graph segments
-    (CPU time of `CUDAGraph.replay`), the GPU time of each segment (CUDA events around it), and the host
-    steps between them (waiting for the segment's copies, then ggml), per token."""
+    """Where the host's time goes in n replays of the captured decode step, per token: launching the graph
+    segments (CPU time of `CUDAGraph.replay`) and the host steps between them (waiting for the segment's
+    copies, then ggml, see _host_share). Unless the replay is pipelined (each segment launched before the
+    host step it waits for), also the GPU time of the segments (CUDA events around each)."""
     graph = getattr(llm.engine._decode_graph, "graph", None)
     if graph is None:
         return "(no captured decode step)"
@@ -96,12 +97,14 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     def timed_graph(step):  # type: ignore[no-untyped-def]
         def run() -> None:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+            if not graph.pipelined:
+                begin.record()
             start = time.perf_counter()
             step()
             launch[0] += time.perf_counter() - start
-            end.record()
-            events.append((begin, end))
+            if not graph.pipelined:
+                end.record()
+                events.append((begin, end))
 
         return run
 
@@ -113,24 +116,25 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
 
         return run
 
-    n_graphs = sum(isinstance(getattr(s, "__self__", None), torch.cuda.CUDAGraph) for s in steps)
-    graph.steps = [
-        timed_graph(s) if isinstance(getattr(s, "__self__", None), torch.cuda.CUDAGraph) else timed_host(s)
-        for s in steps
-    ]
+    def is_graph(step) -> bool:  # type: ignore[no-untyped-def]
+        return isinstance(getattr(step, "__self__", None), torch.cuda.CUDAGraph)
+
+    n_graphs = sum(is_graph(s) for s in steps)
+    graph.steps = [timed_graph(s) if is_graph(s) else timed_host(s) for s in steps]
     try:
         step_ms = 1e3 / _decode(llm, n)
     finally:
         graph.steps = steps
     _sync()
     per = n + 2  # _decode replays 2 untimed steps before the n timed ones
-    gpu_ms = sum(b.elapsed_time(e) for b, e in events) / per
-    return (
-        f"decode step {step_ms:.2f} ms with timing events (+2 per segment): {n_graphs} graph segments and "
-        f"{len(steps) - n_graphs} host steps per token; launching the segments {launch[0] / per * 1e3:.2f} ms "
-        f"(CPU), the segments on the GPU {gpu_ms:.2f} ms, host steps (wait for copies + ggml) "
-        f"{host[0] / per * 1e3:.2f} ms"
+    line = (
+        f"decode step {step_ms:.2f} ms ({'pipelined' if graph.pipelined else 'in order'}): {n_graphs} graph "
+        f"segments and {len(steps) - n_graphs} host steps per token; launching the segments "
+        f"{launch[0] / per * 1e3:.2f} ms (CPU), host steps (wait for the GPU + ggml) {host[0] / per * 1e3:.2f} ms"
     )
+    if events:
+        line += f", the segments on the GPU {sum(b.elapsed_time(e) for b, e in events) / per:.2f} ms"
+    return line
 
 
 def _cpu_kernels(llm: tandem.LLM) -> list[CPUKernels]:

@@ -97,6 +97,44 @@ def test_host_call_without_overlap_is_exact_in_graph() -> None:
     assert ref.shape == (1, 1)
 
 
+def test_pipelined_replay_survives_a_failing_host_step() -> None:
+    """The graph after a host step is launched before it and waits on the device for its flag: a host step
+    that fails must still release it (else the stream waits for ever), and the next replay is exact."""
+    import threading
+
+    from tandem.cuda.graphs import SegmentedGraph
+    from tandem.runtime.offload import HostCall
+
+    fail = [False]
+
+    def double(xs: list[torch.Tensor]) -> torch.Tensor:
+        if fail[0]:
+            raise RuntimeError("host step failed")
+        return xs[0] * 2
+
+    host = HostCall(double)
+    x = torch.arange(8, dtype=torch.float32, device="cuda").view(2, 4)
+
+    def step() -> torch.Tensor:
+        return host([x], x.shape, x.dtype) + 1
+
+    step()  # eager: makes the buffers and the flag
+    graph = SegmentedGraph()
+    out = graph.capture(step, [host])
+    assert graph.pipelined, "this driver should run the stream memory operations HostFlag uses"
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="host step failed"):
+        graph.replay()
+    done = threading.Event()
+    threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+    assert done.wait(10), "the graph after the failed host step still waits for its flag"
+    fail[0] = False
+    x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2 + 1)
+
+
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K], ids=str)
 @pytest.mark.parametrize("slot_experts", [1, 3, 64])
 def test_streamed_experts_equal_resident(qtype: gguf.GGMLQuantizationType, slot_experts: int) -> None:

@@ -4,17 +4,25 @@ Launching a decode step kernel by kernel costs more than the kernels themselves.
 captured once and replayed. Where the step must run host code -- experts that the plan keeps in host
 RAM -- the capture is split: replay runs graph 0, host op 0, graph 1, ..., so the plan is obeyed in
 the captured path exactly as in the eager one (the host ops are the same objects the eager path calls).
+
+When every host op hands over through a HostFlag (cuda/host_memory.py), graph i + 1 begins with a
+device-side wait for host op i's flag, and the replay launches it BEFORE running host op i: the launch
+(~10 µs of Python and driver per segment, 48 per token on Qwen3-30B-A3B with --cpu-moe) leaves the
+serial path, and the GPU starts graph i + 1 as soon as the host op's result is in place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from tandem.models.decoder import DecoderModel
 from tandem.runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from tandem.cuda.host_memory import HostFlag
 
 
 class HostBoundary(Protocol):
@@ -29,8 +37,9 @@ class SegmentedGraph:
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        self.steps: list[Callable[[], object]] = []
+        self.steps: list[Callable[[], object]] = []  # graph, host step, graph, ..., graph
         self._current: torch.cuda.CUDAGraph | None = None
+        self.pipelined = True  # every graph after a host step waits for that step's flag on the device
 
     def _begin(self) -> None:
         self._current = torch.cuda.CUDAGraph()
@@ -67,17 +76,41 @@ class SegmentedGraph:
         torch.cuda.current_stream().wait_stream(stream)
         return out
 
-    def split(self, host_step: Callable[[], object]) -> None:
+    def split(self, host_step: Callable[[], object], flag: HostFlag | None = None) -> None:
         """Called by a host op during capture: end the graph so far; replay runs `host_step` after it,
-        then the graph captured next."""
+        then the graph captured next. With a `flag`, the next graph starts by waiting for it on the device,
+        and the replay sets it once `host_step` returns (or fails: a graph never waits for ever)."""
         self._end()
-        self.steps.append(host_step)
+        if flag is None:
+            self.pipelined = False
+            self.steps.append(host_step)
+        else:
+            self.steps.append(_releasing(host_step, flag))
         self._begin()
+        if flag is not None:
+            flag.enqueue_wait_and_clear(torch.cuda.current_stream())
 
     @torch.inference_mode()
     def replay(self) -> None:
-        for step in self.steps:
-            step()
+        if not self.pipelined:
+            for step in self.steps:
+                step()
+            return
+        graphs, host_steps = self.steps[0::2], self.steps[1::2]
+        graphs[0]()
+        for host_step, next_graph in zip(host_steps, graphs[1:], strict=True):
+            next_graph()  # waits on the device for host_step's flag
+            host_step()
+
+
+def _releasing(host_step: Callable[[], object], flag: HostFlag) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            host_step()
+        finally:
+            flag.set()
+
+    return run
 
 
 class DecodeGraph:

@@ -15,6 +15,7 @@ and leaves no sticky error in the runtime that torch's next CUDA call would repo
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 
 import torch
@@ -78,3 +79,76 @@ def register_host(
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked CPU tensor from torch's pinned allocator."""
     return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+_WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+class HostFlag:
+    """A page-locked int32 that the host sets and a stream waits for on the device (the driver's stream
+    memory operations, cuStreamWaitValue32 / cuStreamWriteValue32, which CUDA graphs capture as nodes).
+
+    It lets the graph segment after a host step be launched before the host step runs: the segment's first
+    node waits for the flag, so the GPU starts it about a microsecond after the host sets it, instead of
+    after a launch from Python once the host step is done (see cuda/graphs.py SegmentedGraph.replay).
+    """
+
+    def __init__(self) -> None:
+        self.tensor = pinned_empty((1,), torch.int32).zero_()
+        self._value = self.tensor.numpy()  # stores from Python go straight to the page-locked word
+        self._lib = _memops()
+
+    def enqueue_wait_and_clear(self, stream: torch.cuda.Stream) -> None:
+        """On `stream`: wait until the flag is set, then clear it (for the next replay)."""
+        handle, ptr = ctypes.c_void_p(stream.cuda_stream), self.tensor.data_ptr()
+        _check(self._lib, self._lib.wait_value(handle, ptr, 1, _WAIT_VALUE_EQ), "cuStreamWaitValue32")
+        _check(self._lib, self._lib.write_value(handle, ptr, 0, 0), "cuStreamWriteValue32")
+
+    def set(self) -> None:
+        """Release the stream waiting for this flag. The host's earlier stores (the host op's output) are
+        visible to the device before this one: x86 keeps stores in order."""
+        self._value[0] = 1
+
+
+class _MemOps:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        # The _v2 entry points are the ones available by default (the legacy ones need a module parameter).
+        self.wait_value = lib.cuStreamWaitValue32_v2
+        self.write_value = lib.cuStreamWriteValue32_v2
+        for fn in (self.wait_value, self.write_value):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+
+
+_MEMOPS: list[_MemOps] = []
+
+
+def _memops() -> _MemOps:
+    if not _MEMOPS:
+        _MEMOPS.append(_MemOps(_driver()))
+    return _MEMOPS[0]
+
+
+def _check(ops: _MemOps, err: int, what: str) -> None:
+    if err != 0:
+        name = ctypes.c_char_p()
+        ops.lib.cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()}")
+
+
+@functools.cache
+def host_flags_work(device_index: int) -> bool:
+    """Whether this driver runs the stream memory operations HostFlag needs (checked once per device, outside
+    any capture, on a side stream: set from the device, waited for, cleared)."""
+    try:
+        flag = HostFlag()
+        stream = torch.cuda.Stream(device_index)
+        ops = flag._lib
+        handle, ptr = ctypes.c_void_p(stream.cuda_stream), flag.tensor.data_ptr()
+        _check(ops, ops.write_value(handle, ptr, 1, 0), "cuStreamWriteValue32")
+        flag.enqueue_wait_and_clear(stream)
+        stream.synchronize()
+        return int(flag.tensor[0]) == 0
+    except (OSError, AttributeError, RuntimeError):
+        return False

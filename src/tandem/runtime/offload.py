@@ -23,9 +23,17 @@ from tandem.layers.moe import Pending, RoutedExperts, Routing
 
 if TYPE_CHECKING:
     from tandem.cuda.graphs import SegmentedGraph
+    from tandem.cuda.host_memory import HostFlag
     from tandem.cuda.qlinear import GPUQuantWeight
 
 HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
+
+
+def _new_flag(device: torch.device) -> HostFlag | None:
+    from tandem.cuda.host_memory import HostFlag, host_flags_work
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return HostFlag() if host_flags_work(index) else None
 
 
 class ExpertSource(Protocol):
@@ -40,8 +48,11 @@ class HostCall:
     """A host function called from a GPU model: inputs to page-locked buffers, the function, the result back.
 
     A boundary of the captured decode step (cuda/graphs.py): while `segments` is set, the graph captured
-    so far ends where the host part must run, and the replay runs it there; the copies in and out are
-    captured in the graphs. Eager calls run the same code with the same buffers.
+    so far ends where the host part must run, and the replay runs it there; the copies in and out and the
+    event the host part waits for are captured in the graphs. Where the driver allows, the graph after the
+    host part starts by waiting on the device for this op's HostFlag, which the host part sets when its
+    result is in place: the replay then launches that graph before the host part runs. Eager calls run
+    the same code with the same buffers.
     """
 
     def __init__(
@@ -57,6 +68,7 @@ class HostCall:
         self.segments: SegmentedGraph | None = None
         self._buffers: list[torch.Tensor] = []  # page-locked, kept for the life of the op (graphs copy into them)
         self._bound: dict[int, Callable[[], None] | None] = {}  # per row count
+        self._flag: HostFlag | None = None  # made at the first eager call, where the driver supports it
 
     def __call__(
         self, inputs: Sequence[torch.Tensor], out_shape: Sequence[int], out_dtype: torch.dtype
@@ -85,7 +97,10 @@ class HostCall:
         if rows not in self._bound:  # the buffers' addresses never change: prepare once per row count
             self._bound[rows] = self.bind(host_in, out_host) if self.bind is not None else None
         bound = self._bound[rows]
-        ready = torch.cuda.Event()
+        if self.segments is None and self._flag is None:
+            self._flag = _new_flag(device)
+        # While capturing, the event is a node of the graph (external: the host waits for it after a replay).
+        ready = torch.cuda.Event(external=self.segments is not None)
 
         def run() -> None:
             ready.synchronize()
@@ -95,19 +110,17 @@ class HostCall:
                 out_host.copy_(self.fn(host_in).reshape(out_host.shape))
 
         def finish() -> torch.Tensor:
-            self._at_host(run if overlap else lambda: (ready.record(), run()))
+            if not overlap:
+                ready.record()
+            if self.segments is None:
+                run()
+            else:
+                self.segments.split(run, self._flag)
             return out_host.to(device, non_blocking=True).view(out_shape).to(out_dtype)
 
         if overlap:
-            self._at_host(ready.record)
+            ready.record()
         return finish
-
-    def _at_host(self, step: Callable[[], object]) -> None:
-        """Run `step` now, or, while a step is being captured, at this point of every replay."""
-        if self.segments is None:
-            step()
-        else:
-            self.segments.split(step)
 
     def _buffer(self, i: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked buffer i, [self.rows, width]; made at the first (eager) call, so that a capture only
