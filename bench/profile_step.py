@@ -16,7 +16,7 @@ import time
 import torch
 
 import tandem
-from tandem.quant.ggml_cpu import CPUKernels
+from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
 
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
@@ -137,15 +137,21 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     return line
 
 
-def _cpu_kernels(llm: tandem.LLM) -> list[CPUKernels]:
-    """The CPUKernels instances behind the model's experts kept in host RAM."""
+def _cpu_graphs(llm: tandem.LLM) -> list[tuple[CPUKernels, ExpertFFN]]:
+    """The (kernels, one-graph description) of each layer's experts kept in host RAM."""
     found = []
     for block in llm.model.blocks:
-        experts = getattr(getattr(block.ffn, "experts", None), "on_cpu", None)
-        gate = getattr(experts, "gate", None)
-        if gate is not None and hasattr(gate, "kernels"):
-            found.append(gate.kernels)
+        ffn = getattr(block.ffn, "sparse", block.ffn)  # Gemma 4: the routed branch beside the dense one
+        experts = getattr(ffn, "experts", None)
+        graph = getattr(getattr(experts, "on_cpu", experts), "_graph", None)
+        if graph is not None:
+            found.append(graph)
     return found
+
+
+def _cpu_kernels(llm: tandem.LLM) -> list[CPUKernels]:
+    """The CPUKernels instances behind the model's experts kept in host RAM."""
+    return [kernels for kernels, _ in _cpu_graphs(llm)]
 
 
 def _profile_prefill(llm: tandem.LLM, n: int, rows: int = 14) -> str:
@@ -197,27 +203,25 @@ def _kernel_trace(llm: tandem.LLM) -> str:
 
 
 def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
-    """The first CPU-resident layer's fused expert FFN at one token, alone, per thread count."""
-    layer = next((b.ffn for b in llm.model.blocks if hasattr(b.ffn, "experts")), None)
-    experts = getattr(getattr(layer, "experts", None), "on_cpu", None)
-    if experts is None or not hasattr(experts, "gate"):
-        return ["(no CPU experts with gate/up/down in this placement)"]
-    gate, up, down = experts.gate.weight, experts.up.weight, experts.down.weight
-    a = 8
-    bytes_per_call = a * (gate.data.nbytes + up.data.nbytes + down.data.nbytes) // gate.shape[0]
+    """The first CPU-resident layer's expert FFN graph at one token, alone, per thread count."""
+    graphs = _cpu_graphs(llm)
+    if not graphs:
+        return ["(no CPU experts in this placement)"]
+    _, ffn = graphs[0]
+    stacks = [w for w in (ffn.gate, ffn.up, ffn.gate_up, ffn.down) if w is not None]
+    e, a = ffn.down.shape[0], 8
+    bytes_per_call = a * sum(w.data.nbytes for w in stacks) // e
     lines = []
     for n in threads:
         kernels = CPUKernels(n)
-        x = torch.randn(1, gate.shape[2])
-        ids = torch.randperm(gate.shape[0])[:a].view(1, a).int()
+        x = torch.randn(1, stacks[0].shape[2])
         w = torch.full((1, a), 1.0 / a)
-        for _ in range(20):
-            kernels.gated_experts(x, gate, up, down, ids, w, "swiglu")
         reps = 200
-        start = time.perf_counter()
-        for _ in range(reps):
-            ids = torch.randperm(gate.shape[0])[:a].view(1, a).int()
-            kernels.gated_experts(x, gate, up, down, ids, w, "swiglu")
+        for i in range(20 + reps):
+            if i == 20:
+                start = time.perf_counter()
+            ids = torch.randperm(e)[:a].view(1, a).int()
+            kernels.gated_experts(x, ffn, ids, w)
         ms = (time.perf_counter() - start) / reps * 1e3
         kernels.close()
         lines.append(

@@ -109,6 +109,21 @@ def test_gemma4_gguf_layout_and_parallel_ffn(tiny_gemma4_gguf: tuple[Path, Path]
         torch.testing.assert_close(block.ffn(x), block.ffn.dense(x) + block.ffn.sparse(x))
 
 
+def test_cpu_experts_run_as_one_ggml_graph(
+    tiny_gpt_oss_gguf: tuple[Path, Path], tiny_gemma4_gguf: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """On the CPU, gpt-oss's experts (biases, clamped SwiGLU) and a quantized Gemma 4's (fused gate_up, ggml's
+    table GEGLU, per-expert scale) run as one ggml graph per layer; a float Gemma 4 keeps transformers' tanh
+    formula, which no ggml op computes, and runs its products one by one."""
+    gemma4_q8 = convert_hf(tiny_gemma4_gguf[0], tmp_path / "gemma4-q8_0.gguf", "q8_0")
+    for path, one_graph in ((tiny_gpt_oss_gguf[1], True), (gemma4_q8, True), (tiny_gemma4_gguf[1], False)):
+        with tandem.LLM(path, cache_type="f32", threads=1, n_ctx=64) as llm:
+            ffns = [b.ffn.sparse if isinstance(b.ffn, ParallelFFN) else b.ffn for b in llm.model.blocks]
+            experts = [ffn.experts for ffn in ffns if hasattr(ffn, "experts")]
+            assert experts and all((e._graph is not None) == one_graph for e in experts), path.name
+            assert len(llm.generate_ids([2, 300, 301], max_tokens=3, temperature=0)) == 3
+
+
 def _gemma4_tokenizer_json(out_dir: Path) -> None:
     """A Gemma-4-style tokenizer.json: BPE over raw UTF-8 with byte fallback, spaces as U+2581."""
     from tiny_models import _lines
@@ -165,8 +180,12 @@ def test_gemma4_multimodal_checkpoint_converts_its_text_model(tiny_gemma4_gguf: 
     tensors["model.vision_tower.encoder.layers.0.mlp.up_proj.weight"] = tensors["model.language_model.norm.weight"]
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     text_config = json.loads((src / "config.json").read_text())
-    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-              "text_config": {**text_config, "model_type": "gemma4_text"}, "vision_config": {"hidden_size": 8}}
+    config = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": {**text_config, "model_type": "gemma4_text"},
+        "vision_config": {"hidden_size": 8},
+    }
     (hf_dir / "config.json").write_text(json.dumps(config))
     ours, ref = open_gguf(convert_hf(hf_dir, tmp_path / "mm.gguf", "f32")), open_gguf(text_gguf)
     assert sorted(ours.tensors) == sorted(ref.tensors)

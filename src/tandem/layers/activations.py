@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -63,21 +65,57 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise UnsupportedModelError(f"unknown activation '{name}'") from None
 
 
-GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> gated hidden state
+# ggml's gated units computing act(gate) * up for these activations. ggml's GELU is the tanh form read from its
+# f16 table on the CPU, which `gelu_tanh_ggml` reproduces: the formula (`gelu_tanh`, ~1e-3 away) has none.
+_GGML_GATED = {_silu: "swiglu", _gelu_tanh_ggml: "geglu"}
 
 
-def gated(act: Callable[[torch.Tensor], torch.Tensor]) -> GLU:
-    """The plain gated unit act(gate) * up (SwiGLU for silu, GEGLU for gelu_tanh)."""
+class GLU(Protocol):
+    """A gated unit (gate, up) -> hidden state, and the ggml op that computes the same values from the two
+    tensors on the CPU: `ggml` names it ("swiglu", "geglu": ggml_swiglu_split / ggml_geglu_split;
+    "swiglu_oai"; None when ggml has none), `ggml_params` are its float arguments after the tensors."""
 
-    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return act(gate) * up
+    @property
+    def ggml(self) -> str | None: ...
 
-    return glu
+    @property
+    def ggml_params(self) -> tuple[float, ...]: ...
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
 
-def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class Gated:
+    """The plain gated unit act(gate) * up (SwiGLU for silu, GEGLU for gelu_tanh); ggml's op follows from act."""
+
+    act: Callable[[torch.Tensor], torch.Tensor]
+    ggml: str | None = field(init=False)
+    ggml_params: tuple[float, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ggml", _GGML_GATED.get(self.act))
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
     """gpt-oss's clamped SwiGLU (ggml_swiglu_oai): g = min(gate, limit), u = clamp(up, +-limit),
     g * sigmoid(alpha * g) * (u + 1)."""
-    g = gate.clamp(max=limit)
-    u = up.clamp(min=-limit, max=limit)
-    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+    alpha: float = 1.702
+    limit: float = 7.0
+    ggml: ClassVar[str] = "swiglu_oai"
+
+    @property
+    def ggml_params(self) -> tuple[float, ...]:
+        return (self.alpha, self.limit)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(min=-self.limit, max=self.limit)
+        return g * torch.sigmoid(self.alpha * g) * (u + 1)
+
+
+swiglu_oai = ClampedSwiGLU()  # gpt-oss's constants

@@ -6,20 +6,18 @@ Shapes: T = tokens, D = hidden, E = experts, A = active experts per token, F = e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from tandem.layers.activations import ACTIVATIONS, GLU
+from tandem.layers.activations import GLU
 from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
+from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, GGMLWeight
 
 # The result of routed experts that may still be computing on the host (see runtime/offload.py).
 Pending = Callable[[], torch.Tensor]
-
-# ggml's fused gated units for the activations it computes the same way (ggml_gelu is the tanh form).
-_GGML_GLU = {ACTIVATIONS["silu"]: "swiglu", ACTIVATIONS["gelu_tanh"]: "geglu"}
 
 
 @dataclass(frozen=True)
@@ -68,45 +66,6 @@ class SoftmaxTopKRouter:
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(ids=ids, weights=weights)
-
-
-@dataclass
-class GatedExperts:
-    """down_e(act(gate_e(x)) * up_e(x)) for each selected expert e, mixed by the routing weights."""
-
-    gate: Experts
-    up: Experts
-    down: Experts
-    act: Callable[[torch.Tensor], torch.Tensor]
-
-    def _fused(self) -> str | None:
-        """ggml's name of the gated unit when all three stacks are ggml CPU experts (one fused graph)."""
-        glu = _GGML_GLU.get(self.act)
-        if glu is not None and all(isinstance(p, GGMLExperts) for p in (self.gate, self.up, self.down)):
-            return glu
-        return None
-
-    def bind(self, x: torch.Tensor, routing: Routing, out: torch.Tensor) -> Callable[[], None] | None:
-        """A prepared call computing out [T, D] from the fixed buffers x and routing (see
-        CPUKernels.gated_experts_into), or None when the experts are not all ggml CPU experts."""
-        glu = self._fused()
-        if glu is None:
-            return None
-        gate, up, down = self.gate, self.up, self.down
-        assert isinstance(gate, GGMLExperts) and isinstance(up, GGMLExperts) and isinstance(down, GGMLExperts)
-        return gate.kernels.gated_experts_into(
-            out, x, gate.weight, up.weight, down.weight, routing.ids, routing.weights, glu
-        )
-
-    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        glu = self._fused()
-        if glu is not None:  # all on the CPU: one fused ggml graph for the three products and the mixing
-            gate, up, down = self.gate, self.up, self.down
-            assert isinstance(gate, GGMLExperts) and isinstance(up, GGMLExperts) and isinstance(down, GGMLExperts)
-            return gate.kernels.gated_experts(x, gate.weight, up.weight, down.weight, routing.ids, routing.weights, glu)
-        hidden = self.act(self.gate(x, routing.ids)) * self.up(x, routing.ids)  # [T, A, F]
-        out = self.down(hidden, routing.ids)  # [T, A, D]
-        return (out * routing.weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)  # [T, D]
 
 
 class Router(Protocol):
@@ -187,7 +146,12 @@ class NormedSoftmaxTopKRouter:
 class GLUExperts:
     """down_e(glu(gate_e(x) + bg_e, up_e(x) + bu_e)) * s_e + bd_e for each selected expert e, mixed by
     the routing weights. Gate and up are two stacks, or one fused stack [E, 2F, D] with the gate rows first
-    (as llama.cpp's `ffn_gate_up_exps`); biases and the per-expert output scale are optional."""
+    (as llama.cpp's `ffn_gate_up_exps`); biases and the per-expert output scale are optional.
+
+    When every stack is a ggml CPU expert stack (of one CPUKernels), the vectors are on the CPU and ggml has
+    the gated unit, the whole FFN runs as one ggml graph (`CPUKernels.gated_experts`), and `bind` prepares it
+    on fixed buffers; otherwise the products run one by one with torch between them.
+    """
 
     down: Experts
     glu: GLU
@@ -198,15 +162,57 @@ class GLUExperts:
     up_bias: torch.Tensor | None = None  # [E, F]
     down_bias: torch.Tensor | None = None  # [E, D]
     down_scale: torch.Tensor | None = None  # [E]
+    _graph: tuple[CPUKernels, ExpertFFN] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        split = self.gate is not None or self.up is not None
+        if (self.gate_up is not None) == split or (split and (self.gate is None or self.up is None)):
+            raise ValueError("GLUExperts needs gate and up, or gate_up alone")
+        self._graph = self._ggml_graph()
+
+    def _ggml_graph(self) -> tuple[CPUKernels, ExpertFFN] | None:
+        """The kernels and ggml's description of this FFN when it can run as one ggml graph, else None."""
+        stacks = [s for s in (self.gate, self.up, self.gate_up, self.down) if s is not None]
+        on_cpu = [s for s in stacks if isinstance(s, GGMLExperts)]
+        vectors = [v for v in (self.gate_bias, self.up_bias, self.down_bias, self.down_scale) if v is not None]
+        if self.glu.ggml is None or len(on_cpu) < len(stacks):
+            return None
+        kernels = on_cpu[0].kernels
+        if any(s.kernels is not kernels for s in on_cpu) or not all(v.is_cpu for v in vectors):
+            return None
+        ffn = ExpertFFN(
+            down=_ggml_weight(self.down),
+            glu=self.glu.ggml,
+            glu_params=self.glu.ggml_params,
+            gate=_ggml_weight(self.gate),
+            up=_ggml_weight(self.up),
+            gate_up=_ggml_weight(self.gate_up),
+            gate_bias=self.gate_bias,
+            up_bias=self.up_bias,
+            down_bias=self.down_bias,
+            down_scale=self.down_scale,
+        )
+        return kernels, ffn
+
+    def bind(self, x: torch.Tensor, routing: Routing, out: torch.Tensor) -> Callable[[], None] | None:
+        """A prepared call computing out [T, D] from the fixed buffers x and routing (see
+        CPUKernels.gated_experts_into), or None when this FFN does not run as one ggml graph."""
+        if self._graph is None:
+            return None
+        kernels, ffn = self._graph
+        return kernels.gated_experts_into(out, x, ffn, routing.ids, routing.weights)
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self._graph is not None:  # on the CPU: one ggml graph for the products, the glue and the mixing
+            kernels, ffn = self._graph
+            return kernels.gated_experts(x, ffn, routing.ids, routing.weights)
         ids = routing.ids  # [T, A]
         if self.gate_up is not None:
             gate_up = self.gate_up(x, ids)  # [T, A, 2F]
             f = gate_up.shape[-1] // 2
             gate, up = gate_up[..., :f], gate_up[..., f:]
         else:
-            assert self.gate is not None and self.up is not None, "GLUExperts needs gate and up, or gate_up"
+            assert self.gate is not None and self.up is not None
             gate, up = self.gate(x, ids), self.up(x, ids)  # [T, A, F]
         if self.gate_bias is not None:
             gate = gate + self.gate_bias[ids]
@@ -218,3 +224,10 @@ class GLUExperts:
         if self.down_bias is not None:
             out = out + self.down_bias[ids]
         return (out * routing.weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)  # [T, D]
+
+
+def _ggml_weight(experts: Experts | None) -> GGMLWeight | None:
+    if experts is None:
+        return None
+    assert isinstance(experts, GGMLExperts)
+    return experts.weight

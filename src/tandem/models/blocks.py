@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 import torch
 
-from tandem.layers.activations import activation
+from tandem.layers.activations import Gated, activation
 from tandem.layers.attention import Attention, AttentionShape
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.moe import GatedExperts, MoE, SoftmaxTopKRouter
+from tandem.layers.moe import GLUExperts, MoE, SoftmaxTopKRouter
 from tandem.layers.norm import add_rms_norm, rms_norm
 from tandem.layers.rope import Rope, RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig
@@ -116,11 +116,11 @@ def standard_ffn(cfg: ModelConfig, i: int, spec: LayerSpec, loader: WeightLoader
         ),
         experts=loader.routed_experts(
             i,
-            lambda src: GatedExperts(
+            lambda src: GLUExperts(
                 gate=src.experts(p + "ffn_gate_exps.weight"),
                 up=src.experts(p + "ffn_up_exps.weight"),
                 down=src.experts(p + "ffn_down_exps.weight"),
-                act=act,
+                glu=Gated(act),
             ),
         ),
     )

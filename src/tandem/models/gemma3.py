@@ -22,7 +22,7 @@ DEFAULT_SLIDING_WINDOW_PATTERN = 6
 _FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
-def _activation(f: GGUFFile) -> str:
+def geglu_activation(f: GGUFFile) -> str:
     """ggml's table GELU when the MLP weights are quantized, the formula otherwise."""
     gate = f.tensors.get("blk.0.ffn_gate.weight")
     return "gelu_tanh_ggml" if gate is not None and gate.qtype not in _FLOAT_TYPES else "gelu_tanh"
@@ -46,7 +46,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
     query_scale = hp.hidden // hp.n_heads if hp.n_layers == 62 else hp.head_dim
     return ModelConfig(
         **shape_fields(f, hp),
-        activation=_activation(f),
+        activation=geglu_activation(f),
         qk_norm=True,
         sandwich_norms=True,
         embed_scale=math.sqrt(hp.hidden),

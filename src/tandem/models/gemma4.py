@@ -10,7 +10,8 @@ the residual stream, summed: the dense GEGLU MLP between `ffn_norm` and `post_ff
 GEGLU experts between `pre_ffw_norm_2` and `post_ffw_norm_2`, whose router reads rms_norm(x) *
 `ffn_gate_inp.scale` / sqrt(D) and whose per-expert output scale is `ffn_down_exps.scale`. Then
 `post_ffw_norm`, the residual, and `layer_output_scale`. Embeddings are scaled by sqrt(D), final logits
-softcapped.
+softcapped. GEGLU as in Gemma 3: ggml's f16-table GELU for quantized files (what llama.cpp computes, and what
+the experts' one ggml graph computes on the CPU), the tanh formula for float ones (what transformers computes).
 
 Not supported (absent from the 26B-A4B and 31B): per-layer embeddings and KV sharing (E2B / E4B).
 """
@@ -25,7 +26,7 @@ from gguf import GGMLQuantizationType
 
 from tandem.errors import UnsupportedModelError
 from tandem.gguf import GGUFFile
-from tandem.layers.activations import activation, gated
+from tandem.layers.activations import Gated, activation
 from tandem.layers.attention import Attention, AttentionShape
 from tandem.layers.ffn import FFN, NormedFFN, ParallelFFN, RoutedFFN
 from tandem.layers.mlp import GatedMLP
@@ -33,6 +34,7 @@ from tandem.layers.moe import GLUExperts, NormedSoftmaxTopKRouter
 from tandem.layers.rope import RopeSpec
 from tandem.models.blocks import Block, RopeCache
 from tandem.models.config import LayerSpec, ModelConfig, MoESpec, rope_scale, sliding_window_layers
+from tandem.models.gemma3 import geglu_activation
 from tandem.runtime.loader import WeightLoader
 
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
@@ -117,7 +119,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
         ffn_dim=max(_per_layer(f, "feed_forward_length", n_layers)),
         context_length=int(f.arch_get("context_length", 131072)),
         rms_eps=float(f.arch_require("attention.layer_norm_rms_epsilon")),
-        activation="gelu_tanh",
+        activation=geglu_activation(f),
         qk_norm=True,
         sandwich_norms=True,
         embed_scale=math.sqrt(hidden),
@@ -157,7 +159,7 @@ def _routed(cfg: ModelConfig, i: int, loader: WeightLoader) -> RoutedFFN:
     """The MoE branch: router on the residual, experts between their own pre/post norms."""
     p = f"blk.{i}."
     assert cfg.moe is not None
-    glu = gated(activation(cfg.activation))
+    glu = Gated(activation(cfg.activation))
     fused = loader.has(p + "ffn_gate_up_exps.weight")
     scaled = loader.has(p + "ffn_down_exps.scale")
     # Through routed_experts: with the experts in host RAM their scale is there too, and the whole

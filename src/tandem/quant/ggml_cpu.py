@@ -49,7 +49,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from tandem.errors import UnsupportedModelError
 from tandem.quant.ggml_tiled import TILED_MIN_ROWS, TiledQ6K, tiled_product
 
-__all__ = ["GGMLWeight", "CPUKernels", "RepackedTensor", "mul_mat_supported", "prepare_cpu_weight"]
+__all__ = ["GGMLWeight", "CPUKernels", "ExpertFFN", "RepackedTensor", "mul_mat_supported", "prepare_cpu_weight"]
 
 # Graphs kept per CPUKernels. A model has a handful of (type, N, K) combinations per layer kind, and
 # decode uses one token count; prefill adds one set per distinct chunk length. Each entry is ~3 KiB.
@@ -240,13 +240,85 @@ class _Graph:
         self.out = out
 
 
-_GLU = {"swiglu": 0, "geglu": 1}
+# ggml's gated units of two tensors (gate, up) -> hidden: the op and its number of float arguments.
+_GLU_OPS: dict[str, tuple[Callable[..., ggml.ggml_tensor_p], int]] = {
+    "swiglu": (ggml.ggml_swiglu_split, 0),  # silu(gate) * up
+    "geglu": (ggml.ggml_geglu_split, 0),  # gelu(gate) * up, ggml's f16 GELU table on the CPU
+    "swiglu_oai": (ggml.ggml_swiglu_oai, 2),  # gpt-oss's clamped SwiGLU: alpha, limit
+}
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: identity equality/hash (tensor fields do not compare)
+class ExpertFFN:
+    """Routed experts as one ggml graph computes them (`CPUKernels.gated_experts`): for each selected expert e,
+    (down_e(glu(gate_e(x) + bg_e, up_e(x) + bu_e)) * s_e + bd_e) * w, summed over the A selected experts.
+
+    Gate and up are two stacks (E, F, K), or one fused stack `gate_up` (E, 2F, K) with the gate rows first
+    (llama.cpp's `ffn_gate_up_exps`); down is (E, D, F). `glu` names ggml's gated unit of two tensors
+    ("swiglu", "geglu", "swiglu_oai") and `glu_params` its float arguments (swiglu_oai: alpha, limit). The
+    optional vectors are gate/up biases [E, F], a down bias [E, D] and a per-expert output scale [E], kept
+    here as contiguous float32 CPU tensors whose memory the graph reads.
+    """
+
+    down: GGMLWeight
+    glu: str
+    glu_params: tuple[float, ...] = ()
+    gate: GGMLWeight | None = None
+    up: GGMLWeight | None = None
+    gate_up: GGMLWeight | None = None
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    # What tells one graph from another, besides the token and slot counts (the cache key).
+    structure: tuple[object, ...] = field(init=False, repr=False)
+    # ggml type, shape (ggml order) and address of each weight and vector, in the graph's input order.
+    inputs: dict[str, tuple[int, tuple[int, ...], int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        op = _GLU_OPS.get(self.glu)
+        if op is None or len(self.glu_params) != op[1]:
+            raise ValueError(f"no ggml gated unit {self.glu!r} taking {len(self.glu_params)} parameters")
+        fused = self.gate_up is not None
+        if fused == (self.gate is not None or self.up is not None) or (not fused and None in (self.gate, self.up)):
+            raise ValueError("ExpertFFN needs gate and up, or gate_up alone")
+        if len(self.down.shape) != 3:
+            raise ValueError(f"down must be an (E, D, F) stack, got shape {self.down.shape}")
+        e, d, f = self.down.shape
+        k = self.stacks[0].shape[-1]
+        shapes = {"gate_up": (e, 2 * f, k)} if fused else {"gate": (e, f, k), "up": (e, f, k)}
+        shapes |= {"down": (e, d, f), "gate_bias": (e, f), "up_bias": (e, f), "down_bias": (e, d), "down_scale": (e,)}
+        inputs = {}
+        for name, shape in shapes.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape} for down {self.down.shape}, got {tuple(value.shape)}")
+            ne = shape[::-1] if len(shape) > 1 else (1, e)
+            if isinstance(value, GGMLWeight):
+                inputs[name] = (int(value.qtype), ne, value.ptr)
+            else:
+                value = _as_f32(value)
+                object.__setattr__(self, name, value)
+                inputs[name] = (ggml.GGML_TYPE_F32, ne, value.data_ptr())
+        object.__setattr__(self, "inputs", inputs)
+        kinds = tuple((name, gtype) for name, (gtype, _, _) in inputs.items())
+        object.__setattr__(self, "structure", (self.glu, self.glu_params, kinds, e, f, k, d))
+
+    @property
+    def stacks(self) -> tuple[GGMLWeight, ...]:
+        """The input-side stacks: (gate_up,) or (gate, up)."""
+        if self.gate_up is not None:
+            return (self.gate_up,)
+        assert self.gate is not None and self.up is not None
+        return (self.gate, self.up)
 
 
 @dataclass(eq=False)
 class _FFNGraph:
-    """A cached fused-experts graph: its context, graph, allocator and the tensors repointed per call
-    (gate, up, down, x, ids, weights, output)."""
+    """A cached graph of several nodes: its context, graph, allocator and the tensors repointed per call (the
+    inputs, then the output)."""
 
     ctx: int
     graph: int
@@ -276,7 +348,7 @@ class CPUKernels:
         self.n_threads = int(n_threads)
         self._lock = threading.Lock()
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
-        self._ffn_graphs: dict[tuple[int, ...], _FFNGraph] = {}  # a few per model: one per (types, T)
+        self._ffn_graphs: dict[tuple[object, ...], _FFNGraph] = {}  # a few per model: one per (kind, T)
         backend = ggml.ggml_backend_cpu_init()
         if not backend:
             raise RuntimeError("ggml_backend_cpu_init failed")
@@ -423,59 +495,45 @@ class CPUKernels:
             self._compute(g.graph)
         return y
 
-    def gated_experts(
-        self,
-        x: torch.Tensor,
-        gate: GGMLWeight,
-        up: GGMLWeight,
-        down: GGMLWeight,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        glu: str,
-    ) -> torch.Tensor:
-        """A whole routed-expert FFN in one ggml graph: sum_a w[t, a] * down_e(glu(gate_e(x), up_e(x))).
+    def gated_experts(self, x: torch.Tensor, ffn: ExpertFFN, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A whole routed-expert FFN in one ggml graph: the products, biases, gated unit, per-expert scale and
+        the mixing by the routing weights (see ExpertFFN). One compute call per layer instead of three
+        products plus torch glue: the threadpool wakes once.
 
-        One compute call per layer instead of three products plus torch glue: the threadpool wakes once.
-        x: [T, K]; gate/up: (E, F, K); down: (E, D, F); ids, weights: [T, A]; glu: "swiglu" or "geglu".
-        Returns [T, D] float32.
+        x: [T, K]; ids, weights: [T, A]. Returns [T, D] float32.
         """
         ids = ids.to(device="cpu", dtype=torch.int32).contiguous()
-        _check_ids(ids, gate.shape[0])
-        y = torch.empty(ids.shape[0], down.shape[1], dtype=torch.float32)
-        self.gated_experts_into(y, _as_f32(x), gate, up, down, ids, _as_f32(weights), glu)()
+        y = torch.empty(ids.shape[0], ffn.down.shape[1], dtype=torch.float32)
+        if y.numel() == 0 or ids.shape[1] == 0:
+            return y.zero_()
+        _check_ids(ids, ffn.down.shape[0])
+        self.gated_experts_into(y, _as_f32(x), ffn, ids, _as_f32(weights))()
         return y
 
     def gated_experts_into(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        gate: GGMLWeight,
-        up: GGMLWeight,
-        down: GGMLWeight,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        glu: str,
+        self, out: torch.Tensor, x: torch.Tensor, ffn: ExpertFFN, ids: torch.Tensor, weights: torch.Tensor
     ) -> Callable[[], None]:
         """`gated_experts` prepared on fixed buffers: the returned function computes out [T, D] from what x,
         ids and weights hold when it is called, with no per-call checks or allocations (decode calls it once
-        per layer per token). All five are contiguous CPU tensors (float32; ids int32 in [0, E): the caller
+        per layer per token). All four are contiguous CPU tensors (float32; ids int32 in [0, E): the caller
         vouches for them, e.g. a router's top-k) that must outlive the function.
         """
-        e, f, k = gate.shape
-        d = down.shape[1]
+        d = ffn.down.shape[1]
+        k = ffn.stacks[0].shape[-1]
         t, a = ids.shape
         expected = {"out": (out, torch.float32, (t, d)), "x": (x, torch.float32, (t, k)),
                     "ids": (ids, torch.int32, (t, a)), "weights": (weights, torch.float32, (t, a))}  # fmt: skip
         for name, (tensor, dtype, shape) in expected.items():
             if tensor.dtype is not dtype or not tensor.is_cpu or not tensor.is_contiguous() or tensor.shape != shape:
                 raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}")
-        key = (2, int(gate.qtype), int(up.qtype), int(down.qtype), e, f, k, d, t, a, _GLU[glu])
+        key = (2, *ffn.structure, t, a)
         with self._lock:
             g = self._ffn_graphs.get(key)
             if g is None:
-                g = self._build_ffn(key, gate, up, down, x, ids, weights, glu)
-        pointers = list(zip(g.inputs, (gate.ptr, up.ptr, down.ptr, x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                                       out.data_ptr()), strict=True))  # fmt: skip
+                g = self._build_ffn(key, ffn, x, ids, weights)
+        addresses = [ptr for _, _, ptr in ffn.inputs.values()]
+        addresses += [x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr()]
+        pointers = list(zip(g.inputs, addresses, strict=True))
 
         def run() -> None:
             with self._lock:  # the cached graph may serve several layers: point it at this one's buffers
@@ -485,41 +543,63 @@ class CPUKernels:
 
         return run
 
-    def _build_ffn(self, key, gate, up, down, x, ids, weights, glu) -> _FFNGraph:  # type: ignore[no-untyped-def]
-        """Build the fused expert graph; intermediates get memory from a graph allocator."""
+    def _build_ffn(
+        self, key: tuple[object, ...], ffn: ExpertFFN, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> _FFNGraph:
+        """Build the fused expert graph for x [T, K] and ids, weights [T, A] (the order of operations is
+        llama.cpp's `build_moe_ffn`); intermediates get memory from a graph allocator. Caller holds the lock."""
         if self._backend is None:
             raise RuntimeError("CPUKernels is closed")
-        e, f, k = gate.shape
-        d = down.shape[1]
+        e, d, f = ffn.down.shape
+        k = ffn.stacks[0].shape[-1]
         t, a = ids.shape
-        n_nodes = 16 + 2 * a
-        mem = ggml.ggml_tensor_overhead() * (n_nodes + 8) + ggml.ggml_graph_overhead_custom(n_nodes, False)
+        n_nodes = 24 + 2 * a
+        mem = ggml.ggml_tensor_overhead() * (n_nodes + 16) + ggml.ggml_graph_overhead_custom(n_nodes, False)
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not ctx:
             raise MemoryError("ggml_init failed")
+        inputs: list[ggml.ggml_tensor_p] = []
+
+        def leaf(gtype: int, ne: tuple[int, ...], ptr: int) -> ggml.ggml_tensor_p:
+            # Inputs point at real memory before allocation, so the allocator leaves them alone. Views of them
+            # would keep the first address: the graph reads each input directly.
+            tensor = _new_tensor(ctx, gtype, ne)
+            tensor.contents.data = ptr
+            ggml.ggml_set_input(tensor)
+            inputs.append(tensor)
+            return tensor
+
         try:
-            g_t = _new_tensor(ctx, int(gate.qtype), (k, f, e))
-            u_t = _new_tensor(ctx, int(up.qtype), (k, f, e))
-            d_t = _new_tensor(ctx, int(down.qtype), (f, d, e))
-            x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, (k, 1, t))
-            ids_t = _new_tensor(ctx, ggml.GGML_TYPE_I32, (a, t))
-            w_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, (1, a, t))
-            # Inputs point at real memory before allocation, so the allocator leaves them alone.
-            for tensor, ptr in ((g_t, gate.ptr), (u_t, up.ptr), (d_t, down.ptr), (x_t, x.data_ptr()),
-                                (ids_t, ids.data_ptr()), (w_t, weights.data_ptr())):  # fmt: skip
-                tensor.contents.data = ptr
-                ggml.ggml_set_input(tensor)
-            gate_out = ggml.ggml_mul_mat_id(ctx, g_t, x_t, ids_t)  # [F, A, T]
-            up_out = ggml.ggml_mul_mat_id(ctx, u_t, x_t, ids_t)
-            split = ggml.ggml_swiglu_split if glu == "swiglu" else ggml.ggml_geglu_split
-            hidden = split(ctx, gate_out, up_out)
-            experts = ggml.ggml_mul(ctx, ggml.ggml_mul_mat_id(ctx, d_t, hidden, ids_t), w_t)  # [D, A, T]
-            nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
-            out = ggml.ggml_view_2d(ctx, experts, d, t, nb2, 0)
-            for slot in range(1, a):
-                out = ggml.ggml_add(ctx, out, ggml.ggml_view_2d(ctx, experts, d, t, nb2, slot * nb1))
-            if a == 1:
-                out = ggml.ggml_cont(ctx, out)
+            w = {name: leaf(*spec) for name, spec in ffn.inputs.items()}
+            x_t = leaf(ggml.GGML_TYPE_F32, (k, 1, t), x.data_ptr())
+            ids_t = leaf(ggml.GGML_TYPE_I32, (a, t), ids.data_ptr())
+            mix_t = leaf(ggml.GGML_TYPE_F32, (a, 1, t), weights.data_ptr())  # the mixing weights, a column per token
+            if "gate_up" in w:  # one product, then the gate and up halves of each row
+                gate_up = ggml.ggml_mul_mat_id(ctx, w["gate_up"], x_t, ids_t)  # [2F, A, T]
+                nb1, nb2 = gate_up.contents.nb[1], gate_up.contents.nb[2]
+                gate = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, 0)
+                up = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, f * gate_up.contents.nb[0])
+            else:
+                gate = ggml.ggml_mul_mat_id(ctx, w["gate"], x_t, ids_t)  # [F, A, T]
+                up = ggml.ggml_mul_mat_id(ctx, w["up"], x_t, ids_t)
+            if "gate_bias" in w:  # row ids[a, t] of the bias added to slot (a, t)
+                gate = ggml.ggml_add_id(ctx, gate, w["gate_bias"], ids_t)
+            if "up_bias" in w:
+                up = ggml.ggml_add_id(ctx, up, w["up_bias"], ids_t)
+            op, _ = _GLU_OPS[ffn.glu]
+            hidden = op(ctx, gate, up, *ffn.glu_params)  # [F, A, T]
+            experts = ggml.ggml_mul_mat_id(ctx, w["down"], hidden, ids_t)  # [D, A, T]
+            if "down_scale" in w:  # the selected experts' scales [1, A, T], as llama.cpp gathers them
+                scales = ggml.ggml_repeat_4d(ctx, w["down_scale"], 1, e, t, 1)  # [1, E, T]
+                experts = ggml.ggml_mul(ctx, experts, ggml.ggml_get_rows(ctx, scales, ids_t))
+            if "down_bias" in w:
+                experts = ggml.ggml_add_id(ctx, experts, w["down_bias"], ids_t)
+            # The mix sum_a w[a, t] * experts[:, a, t] as one product over the A slots: two nodes where llama.cpp
+            # has a multiply and A - 1 adds (each node ends in a barrier of all threads, ~1-2 µs at decode).
+            slots_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, experts, 1, 0, 2, 3))  # [A, D, T]
+            # [D, 1, T], laid out as out [T, D]: no reshape, since the node pointed at the caller's buffer must
+            # be the one that computes
+            out = ggml.ggml_mul_mat(ctx, slots_first, mix_t)
             ggml.ggml_set_output(out)
             graph, allocator = self._allocated_graph(ctx, out, n_nodes)
         except BaseException:
@@ -529,9 +609,8 @@ class CPUKernels:
             ctx=ctx,
             graph=ctypes.cast(graph, ctypes.c_void_p).value or 0,
             allocator=allocator,
-            inputs=[g_t.contents, u_t.contents, d_t.contents, x_t.contents, ids_t.contents, w_t.contents,
-                    out.contents],
-        )  # fmt: skip
+            inputs=[tensor.contents for tensor in (*inputs, out)],
+        )
         self._ffn_graphs[key] = g
         return g
 
