@@ -141,7 +141,9 @@ def _cpu_graphs(llm: tandem.LLM) -> list[tuple[CPUKernels, ExpertFFN]]:
     """The (kernels, one-graph description) of each layer's experts kept in host RAM."""
     found = []
     for block in llm.model.blocks:
-        ffn = getattr(block.ffn, "sparse", block.ffn)  # Gemma 4: the routed branch beside the dense one
+        ffn = block.ffn
+        for branch in ("sparse", "routed"):  # Gemma 4's routed branch beside the dense one; Qwen3.5's beside
+            ffn = getattr(ffn, branch, ffn)  # the shared expert
         experts = getattr(ffn, "experts", None)
         graph = getattr(getattr(experts, "on_cpu", experts), "_graph", None)
         if graph is not None:
