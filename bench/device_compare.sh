@@ -45,6 +45,11 @@
 #   LLAMA_CMAKE_EXTRA (default -DGGML_CUDA_FA=OFF: skip the FlashAttention kernels, ~80 of the CUDA files; the
 #     comparison runs llama.cpp with flash attention off, llama-cpp-python's default, so they are never used
 #     and the path measured is the same as a full build's; set it empty for a full build)
+#   SAVE_LLAMA=1 (after the build: pack it into $OUT as llama_cpp_cuda.tar.xz.part-NN, 15 MiB parts; copy those to
+#     .peers/ here and later calls unpack them in seconds instead of building for 190-270 s; the parts count
+#     against what comes back, 8 files and 64 MiB, so save in a call with one model)
+#   LLAMA_BUNDLE (default .peers/llama_cpp_cuda.tar.xz.part-): the carried build's parts; used when they exist
+#     and import on this machine, else llama.cpp is built as usual
 #   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
@@ -68,6 +73,7 @@ PY="${PYTHON:-python3}"
 SITE=/tmp/site
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
 export LLAMA_CMAKE_EXTRA="${LLAMA_CMAKE_EXTRA--DGGML_CUDA_FA=OFF}"  # read by scripts/build_llamacpp.sh
+LLAMA_BUNDLE="${LLAMA_BUNDLE:-$repo/.peers/llama_cpp_cuda.tar.xz.part-}"  # parts NN of a carried build
 
 main() {  # the whole run; its output goes to the terminal and to $OUT/device_compare.log (see the end)
 elapsed() { echo $(( $(date +%s) - t0 )); }
@@ -84,10 +90,20 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   # diskcache inside the peer's target too, so build_llamacpp.sh does not reach for the (absent) network.
   mkdir -p "$PEER_LIB"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$PEER_LIB" .whl/diskcache-*.whl
-  say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
-  TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-16}" \
-    SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB" \
-    >/tmp/llama_build.log 2>&1 &
+  get_llama() {  # a build carried from an earlier call (SAVE_LLAMA=1) when it imports here, else build it
+    if compgen -G "$LLAMA_BUNDLE[0-9][0-9]" >/dev/null &&
+        PYTHON="$PY" bash scripts/llamacpp_bundle.sh unpack "$LLAMA_BUNDLE" "$PEER_LIB"; then
+      return 0
+    fi
+    TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-16}" \
+      SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB"
+  }
+  if compgen -G "$LLAMA_BUNDLE[0-9][0-9]" >/dev/null; then
+    say "llama-cpp-python: unpacking the build carried in ${LLAMA_BUNDLE#"$repo"/}NN; ggml-python built side by side"
+  else
+    say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
+  fi
+  get_llama >/tmp/llama_build.log 2>&1 &
   llama_pid=$!
   if ! "$PY" -c "import ggml" 2>/dev/null; then
     CMAKE_BUILD_PARALLEL_LEVEL=4 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
@@ -171,8 +187,12 @@ if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # u
 fi
 
 if [[ -n "$llama_pid" ]]; then
-  wait "$llama_pid" && say "llama-cpp-python built" || { say "llama-cpp-python build FAILED"; tail -40 /tmp/llama_build.log; }
-  grep -E "built in|already in" /tmp/llama_build.log | tail -1
+  wait "$llama_pid" && say "llama-cpp-python ready" || { say "llama-cpp-python build FAILED"; tail -40 /tmp/llama_build.log; }
+  grep -E "built in|already in|unpacked in" /tmp/llama_build.log | tail -1
+  if [[ "${SAVE_LLAMA:-0}" == 1 ]]; then  # for the next calls: carry the parts in .peers/ (see LLAMA_BUNDLE)
+    bash scripts/llamacpp_bundle.sh pack "$PEER_LIB" "$OUT/$(basename "$LLAMA_BUNDLE")" >/dev/null &&
+      say "saved the build: $(du -ch "$OUT/$(basename "$LLAMA_BUNDLE")"[0-9][0-9] | tail -1 | cut -f1) in $OUT"
+  fi
 fi
 
 # -- 2. the matrix, model by model --------------------------------------------------------------------------
