@@ -4,7 +4,7 @@
 #      for sm_90 (scripts/build_llamacpp.sh --cuda) in the background, about 5 minutes. Meanwhile, nothing
 #      measured: synthesise the models (`tandem synth --like MODEL`, ~16 s each; all of them when the model
 #      folder has room), run the GPU tests (GPU_TESTS=1), and fill Triton's autotuning cache with one short
-#      untimed tandem run per model on a 2-layer copy (PREWARM, see below) while the build still runs;
+#      untimed tandem run per model on a 6-layer copy (PREWARM, see below) while the build still runs;
 #   2. per model: `tandem bench --compare llamacpp` over the placement matrix (--cpu-moe, --n-cpu-moe half
 #      the layers, all on the GPU), then delete the model;
 #   3. the reports land in $OUT/MODEL/report.{json,md,png}, the log in $OUT/device_compare.log (8 files at
@@ -35,7 +35,7 @@
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log)
-#   PREWARM=1 (default; 0: off) per preset, a 2-layer copy (`synth --layers 2`) run once untimed (`tandem bench
+#   PREWARM=1 (default; 0: off) per preset, a 6-layer copy (`synth --layers 6`) run once untimed (`tandem bench
 #     --matrix n-cpu-moe=half --tg 4 --reps 1`), all presets side by side right after ggml-python is built:
 #     Triton's compiles and autotuning are per kernel and shape, so the cache then serves the full models
 #     (not with MODEL_FILES). Measured 11:46 with full-size prewarm runs one after the other: 255 s for three
@@ -138,7 +138,9 @@ read -r -a files <<<"${MODEL_FILES:-}"
 building() { [[ -n "$llama_pid" ]] && kill -0 "$llama_pid" 2>/dev/null; }
 
 # Prewarm (untimed, while llama.cpp builds): Triton compiles and autotunes per kernel and shape, not per layer,
-# so a 2-layer copy of each preset fills the cache for the whole model. One process per model with half the
+# so a copy of each preset with one layer of each kind fills the cache for the whole model: 6 layers hold
+# Gemma 4's global layer (every 6th; with 2 layers its head-512 kernels were tuned in the timed warm-up,
+# 16.8 s at 12:40) and Qwen3.5/3.6's full-attention layer (every 4th). One process per model with half the
 # layers' experts on the CPU runs both the GPU-expert and the CPU-expert (streamed prefill) kernels; the
 # models run side by side, beside the full synths.
 prewarm_pids=()
@@ -146,7 +148,7 @@ if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu && ${#files[@]} -eq 0 ]]; then
   for m in "${models[@]%%:*}"; do
     (
       small="$MODEL_DIR/prewarm-$m.gguf"
-      "$PY" -m tandem.cli.main synth --like "$m" -o "$small" --layers 2 --overwrite >/tmp/prewarm_"$m".log 2>&1 &&
+      "$PY" -m tandem.cli.main synth --like "$m" -o "$small" --layers 6 --overwrite >/tmp/prewarm_"$m".log 2>&1 &&
         "$PY" -m tandem.cli.main bench -m "$small" --device "$DEVICE" -t 4 --matrix n-cpu-moe=half \
           --pp "${PP%%,*}" --tg 4 --reps 1 >>/tmp/prewarm_"$m".log 2>&1
       rc=$?
@@ -156,7 +158,7 @@ if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu && ${#files[@]} -eq 0 ]]; then
     ) &
     prewarm_pids+=($!)
   done
-  say "prewarm: ${#prewarm_pids[@]} models (2 layers each) side by side"
+  say "prewarm: ${#prewarm_pids[@]} models (6 layers each) side by side"
 fi
 
 early=()  # models made while llama.cpp builds: the first always, the others while the folder has room
