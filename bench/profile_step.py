@@ -2,6 +2,8 @@
 
     python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
 
+Placements: cpu-moe, cpu-moe-in-order (the same with the captured step replayed in order, without the
+HostFlag pipelining: TANDEM_HOST_FLAGS=0; an A/B of what the pipelining gains), n-cpu-moe-24, all.
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
@@ -11,15 +13,18 @@ profiler). Also the ggml expert FFN alone at one token, for several thread count
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 import tandem
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.runtime.offload import HOST_FLAGS_ENV
 
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
+    "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step replayed without HostFlags
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
 }
@@ -244,6 +249,7 @@ def main() -> None:
     a = p.parse_args()
     summary = []
     for name in a.placements.split(","):
+        os.environ[HOST_FLAGS_ENV] = "0" if name.endswith("-in-order") else "1"
         start = time.perf_counter()
         with tandem.LLM(a.model, device="cuda", threads=a.threads, n_ctx=2048, **PLACEMENTS[name]) as llm:
             load_s = time.perf_counter() - start

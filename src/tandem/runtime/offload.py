@@ -12,6 +12,7 @@ moves an expert faster than the CPU can compute it for many tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -29,9 +30,15 @@ if TYPE_CHECKING:
 HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
 
 
+# Set to 0 to replay the captured step in order, without HostFlags (for measuring what the pipelining gains).
+HOST_FLAGS_ENV = "TANDEM_HOST_FLAGS"
+
+
 def _new_flag(device: torch.device) -> HostFlag | None:
     from tandem.cuda.host_memory import HostFlag, host_flags_work
 
+    if os.environ.get(HOST_FLAGS_ENV, "1") == "0":
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return HostFlag() if host_flags_work(index) else None
 
