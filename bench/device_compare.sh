@@ -50,6 +50,8 @@
 #     against what comes back, 8 files and 64 MiB, so save in a call with one model)
 #   LLAMA_BUNDLE (default .peers/llama_cpp_cuda.tar.xz.part-): the carried build's parts; used when they exist
 #     and import on this machine, else llama.cpp is built as usual
+#   BENCH_FLAGS="--repack-experts" (more flags for `tandem bench`: tandem's own options, e.g. its repacked CPU
+#     experts; the report's command line shows them)
 #   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
@@ -222,7 +224,7 @@ for k in "${!targets[@]}"; do
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
     --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
-    --timeout "$budget" --budget "$budget" --report "$OUT/$name" >"/tmp/bench_$name.out"
+    --timeout "$budget" --budget "$budget" --report "$OUT/$name" ${BENCH_FLAGS:-} >"/tmp/bench_$name.out"
   rc=$?
   say "bench $name: exit $rc"
   (( rc == 0 )) || status=1

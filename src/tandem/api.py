@@ -75,13 +75,16 @@ class LLM:
         dtype: str | None = None,
         cuda_graphs: bool = True,
         progress: Callable[[int, int], None] | None = None,
+        repack_experts: bool = False,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
         device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible). dtype: compute type on
         the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32. progress(done, total) is
         called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode step as CUDA
-        graphs (split around CPU experts) instead of launching its kernels one by one.
+        graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts: copy
+        the expert stacks computed on the CPU into ggml's repacked layout where ggml has one for their type
+        (faster products, host RAM equal to those stacks; llama.cpp leaves `--cpu-moe` experts in the file).
         """
         if n_ctx <= 0:
             raise TandemError(f"n_ctx must be positive, got {n_ctx}")
@@ -110,7 +113,9 @@ class LLM:
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
         on_tensor = _progress(self.plan, progress)
-        loader = WeightLoader(self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor)
+        loader = WeightLoader(
+            self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts
+        )
         self.model = DecoderModel(self.config, loader, arch.build_block)
         self.placed: dict[str, str] = loader.placed()
         self.notices: list[str] = loader.notices()

@@ -146,6 +146,7 @@ class BenchSettings:
     timeout_s: float = 1800.0  # per repetition; the first also counts start, load, warm-up (compare.py)
     budget_s: float | None = None  # all the worker processes together
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
+    repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
 
     def validate(self) -> None:
         """Raise TandemError (a usage error) for sizes no run could use."""

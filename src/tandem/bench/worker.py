@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         override_tensor=args.override_tensor,
         gpu_memory=args.gpu_memory,
         tp=args.tp,
+        repack_experts=args.repack_experts,
         **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
     )
     on_gpu = llm.plan.compute_device != "cpu"

@@ -20,6 +20,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"], help="KV cache type (default f16)"
     )
+    p.add_argument(
+        "--repack-experts",
+        action="store_true",
+        help="copy the experts computed on the CPU into ggml's repacked layout where it has one for their type "
+        "(faster products; host RAM equal to those stacks)",
+    )
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:

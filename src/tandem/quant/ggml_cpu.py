@@ -134,7 +134,8 @@ _PROBE_ROWS = 512
 
 
 class RepackedTensor:
-    """A matrix copied into ggml's CPU_REPACK buffer, in the interleaved layout of ggml's gemm/gemv kernels.
+    """A matrix or a stack of experts copied into ggml's CPU_REPACK buffer, in the interleaved layout of
+    ggml's gemm/gemv kernels.
 
     Owns a ggml context (the tensor's metadata) and a backend buffer (the repacked bytes), both freed with
     this object. `data`, `buffer` and `extra` are what a ggml tensor standing for it must carry: the
@@ -155,17 +156,21 @@ class RepackedTensor:
         """w repacked, or None when ggml does not repack its type and shape on this machine (or the build
         has no CPU_REPACK buffer type): ggml decides, as llama.cpp's loader asks it."""
         buft = _repack_buffer_type()
-        if buft is None or len(w.shape) != 2:
+        if buft is None:
             return None
-        n, k = w.shape
-        mem = ggml.ggml_tensor_overhead() * 3
+        k = w.shape[-1]
+        mem = ggml.ggml_tensor_overhead() * 4
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not ctx:
             raise MemoryError("ggml_init failed")
         buffer = None
         try:
-            t = ggml.ggml_new_tensor_2d(ctx, int(w.qtype), k, n)
-            probe = ggml.ggml_mul_mat(ctx, t, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, _PROBE_ROWS))
+            t = _new_tensor(ctx, int(w.qtype), w.shape[::-1])
+            if len(w.shape) == 2:  # the product llama.cpp's loader asks about
+                probe = ggml.ggml_mul_mat(ctx, t, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, _PROBE_ROWS))
+            else:  # a stack of experts: one token's selected experts
+                x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, k, 1, 1)
+                probe = ggml.ggml_mul_mat_id(ctx, t, x, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, 1, 1))
             buffer = ggml.ggml_backend_buft_alloc_buffer(buft, ggml.ggml_backend_buft_get_alloc_size(buft, t))
             if not buffer:
                 raise MemoryError(f"could not allocate {ggml.ggml_nbytes(t)} bytes for a repacked weight")
@@ -224,6 +229,24 @@ def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
     return w if tiled is None else dataclasses.replace(w, tiled=tiled)
 
 
+# Expert types repacked by --repack-experts: those whose repacked product equals the plain one to float32
+# rounding (tests/test_synth.py). ggml also repacks MXFP4 on x86, but its repacked gemv quantizes the
+# activations otherwise: ~1e-4 relative away from the plain product (and from llama.cpp's --cpu-moe).
+_REPACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_K})
+
+
+def repack_experts(w: GGMLWeight) -> GGMLWeight:
+    """A Q4_K stack of experts (E, N, K) with a copy in ggml's CPU_REPACK buffer where ggml repacks it on
+    this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's interleaved gemv; else
+    w as it is. llama.cpp leaves `--cpu-moe` experts in the file mapping: this costs host RAM equal to the
+    stack and bought ~1.05-1.15x per product on a 2-vCPU Xeon (not measured on the GPU machine yet); the
+    blocks in the file stay what prefill streams to the GPU."""
+    if len(w.shape) != 3 or w.repacked is not None or w.qtype not in _REPACKED_EXPERT_TYPES:
+        return w
+    repacked = RepackedTensor.create(w)
+    return w if repacked is None else dataclasses.replace(w, repacked=repacked)
+
+
 class _Graph:
     """A cached one-node ggml graph; the tensors' `data` pointers are filled in at each call."""
 
@@ -272,8 +295,9 @@ class ExpertFFN:
     down_scale: torch.Tensor | None = None
     # What tells one graph from another, besides the token and slot counts (the cache key).
     structure: tuple[object, ...] = field(init=False, repr=False)
-    # ggml type, shape (ggml order) and address of each weight and vector, in the graph's input order.
-    inputs: dict[str, tuple[int, tuple[int, ...], int]] = field(init=False, repr=False)
+    # ggml type, shape (ggml order), address and repacked copy (or None) of each weight and vector, in the
+    # graph's input order.
+    inputs: dict[str, tuple[int, tuple[int, ...], int, RepackedTensor | None]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         op = _GLU_OPS.get(self.glu)
@@ -297,13 +321,13 @@ class ExpertFFN:
                 raise ValueError(f"{name} must have shape {shape} for down {self.down.shape}, got {tuple(value.shape)}")
             ne = shape[::-1] if len(shape) > 1 else (1, e)
             if isinstance(value, GGMLWeight):
-                inputs[name] = (int(value.qtype), ne, value.ptr)
+                inputs[name] = (int(value.qtype), ne, value.ptr, value.repacked)
             else:
                 value = _as_f32(value)
                 object.__setattr__(self, name, value)
-                inputs[name] = (ggml.GGML_TYPE_F32, ne, value.data_ptr())
+                inputs[name] = (ggml.GGML_TYPE_F32, ne, value.data_ptr(), None)
         object.__setattr__(self, "inputs", inputs)
-        kinds = tuple((name, gtype) for name, (gtype, _, _) in inputs.items())
+        kinds = tuple((name, gtype, repacked is not None) for name, (gtype, _, _, repacked) in inputs.items())
         object.__setattr__(self, "structure", (self.glu, self.glu_params, kinds, e, f, k, d))
 
     @property
@@ -531,14 +555,20 @@ class CPUKernels:
             g = self._ffn_graphs.get(key)
             if g is None:
                 g = self._build_ffn(key, ffn, x, ids, weights)
-        addresses = [ptr for _, _, ptr in ffn.inputs.values()]
+        addresses = [ptr if repacked is None else repacked.data for _, _, ptr, repacked in ffn.inputs.values()]
         addresses += [x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr()]
         pointers = list(zip(g.inputs, addresses, strict=True))
+        # A repacked copy's buffer (whose type selects ggml's repacked kernels) and layout go with its address.
+        repacks = [r for *_, r in ffn.inputs.values()]
+        layouts = [(tensor, r.buffer, r.extra) for tensor, r in zip(g.inputs, repacks, strict=False) if r is not None]
 
         def run() -> None:
             with self._lock:  # the cached graph may serve several layers: point it at this one's buffers
                 for tensor, ptr in pointers:
                     tensor.data = ptr
+                for tensor, buffer, extra in layouts:
+                    tensor.buffer = buffer
+                    tensor.extra = extra
                 self._compute(g.graph)
 
         return run
@@ -560,10 +590,16 @@ class CPUKernels:
             raise MemoryError("ggml_init failed")
         inputs: list[ggml.ggml_tensor_p] = []
 
-        def leaf(gtype: int, ne: tuple[int, ...], ptr: int) -> ggml.ggml_tensor_p:
+        def leaf(
+            gtype: int, ne: tuple[int, ...], ptr: int, repacked: RepackedTensor | None = None
+        ) -> ggml.ggml_tensor_p:
             # Inputs point at real memory before allocation, so the allocator leaves them alone. Views of them
             # would keep the first address: the graph reads each input directly.
             tensor = _new_tensor(ctx, gtype, ne)
+            if repacked is not None:  # the repacked copy, its buffer and layout (see RepackedTensor)
+                ptr = repacked.data
+                tensor.contents.buffer = repacked.buffer
+                tensor.contents.extra = repacked.extra
             tensor.contents.data = ptr
             ggml.ggml_set_input(tensor)
             inputs.append(tensor)

@@ -21,7 +21,7 @@ from tandem.layers.moe import RoutedExperts
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
 from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
-from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight, prepare_cpu_weight
+from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight, prepare_cpu_weight, repack_experts
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
 from tandem.runtime.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
 
@@ -60,6 +60,7 @@ class WeightLoader:
         kernels: CPUKernels,
         dtype: torch.dtype = torch.float32,
         on_tensor: Callable[[TensorInfo], None] | None = None,
+        repack_experts: bool = False,
     ) -> None:
         self.file = f
         self.plan = plan
@@ -71,6 +72,8 @@ class WeightLoader:
         self._placed: dict[str, torch.device] = {}
         self._dequantized: dict[str, int] = {}
         self._notices: list[str] = []
+        self.repack_experts = repack_experts  # CPU expert stacks copied for ggml's interleaved kernels
+        self._repacked_bytes = 0
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
@@ -100,10 +103,26 @@ class WeightLoader:
 
     def notices(self) -> list[str]:
         """One line per quant type that has no GPU kernel and was dequantized at load, and one per fallback."""
-        return [
-            f"{qtype}: no GPU kernel yet; {n} tensor(s) dequantized to {str(self.dtype).removeprefix('torch.')} at load"
-            for qtype, n in sorted(self._dequantized.items())
-        ] + self._notices
+        repacked = [f"--repack-experts: {self._repacked_bytes >> 20} MiB of expert stacks repacked in host RAM"]
+        return (
+            [
+                f"{qtype}: no GPU kernel yet; {n} tensor(s) dequantized to {str(self.dtype).removeprefix('torch.')} "
+                "at load"
+                for qtype, n in sorted(self._dequantized.items())
+            ]
+            + self._notices
+            + (repacked if self.repack_experts else [])
+        )
+
+    def cpu_experts(self, info: TensorInfo) -> GGMLExperts:
+        """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or on a repacked copy
+        of them with --repack-experts where ggml repacks the type."""
+        self._record(info, info.data)
+        weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
+        if self.repack_experts:
+            weight = repack_experts(weight)
+            self._repacked_bytes += weight.repacked.nbytes if weight.repacked is not None else 0
+        return GGMLExperts(weight, self.kernels)
 
     def _start_streaming(self) -> None:
         """The prefill window for CPU-resident experts, and their file bytes page-locked in place (no copy,
@@ -179,8 +198,7 @@ class WeightLoader:
         info = self.info(name)
         device = self._device(name)
         if device.type == "cpu":
-            self._record(info, info.data)
-            experts = GGMLExperts(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.kernels)
+            experts = self.cpu_experts(info)
             return experts if self.compute_device.type == "cpu" else self._boundary(HostExperts(experts))
         from tandem.cuda.qlinear import GPUQuantWeight
         from tandem.cuda.weights import DenseExperts, GPUQuantExperts
@@ -267,9 +285,7 @@ class _HostSource:
         self.loader = loader
 
     def experts(self, name: str) -> Experts:
-        info = self.loader.info(name)
-        self.loader._record(info, info.data)
-        return GGMLExperts(GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape), self.loader.kernels)
+        return self.loader.cpu_experts(self.loader.info(name))
 
     def vector(self, name: str) -> torch.Tensor:
         info = self.loader.info(name)
