@@ -3,7 +3,8 @@
     python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
 
 Placements: cpu-moe, cpu-moe-in-order (the same with the captured step replayed in order, without the
-HostFlag pipelining: TANDEM_HOST_FLAGS=0; an A/B of what the pipelining gains), n-cpu-moe-24, all.
+HostFlag pipelining: TANDEM_HOST_FLAGS=0; an A/B of what the pipelining gains), cpu-moe-repacked (with
+--repack-experts), n-cpu-moe-24, all.
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
@@ -25,6 +26,7 @@ from tandem.runtime.offload import HOST_FLAGS_ENV
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
     "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step replayed without HostFlags
+    "cpu-moe-repacked": {"cpu_moe": True, "repack_experts": True},  # Q4_K experts from repacked copies
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
 }
