@@ -182,3 +182,24 @@ def test_streamed_experts_are_read_from_page_locked_file_memory(tiny_qwen3moe_gg
         stream = offloaded[0].streamed.gate.weight.stream  # type: ignore[union-attr]
         assert stream.source_pin is not None
         llm.generate_ids(list(range(5, 45)), max_tokens=2, temperature=0)  # streams through the window
+
+
+def test_repacked_cpu_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--repack-experts with --cpu-moe: the captured decode step's host ops read the repacked Q4_K copies
+    (a 2-layer synthetic Qwen3-30B-A3B, whose expert stacks are Q4_K/Q6_K), and the logits of prefill and of
+    replayed decode steps stay within float32 accumulation order of the plain run (f32 compute)."""
+    import tandem
+    from tandem.synth.writer import synthesize
+
+    path = synthesize("qwen3-30b-a3b", tmp_path / "q30.gguf", layers=2, fill="random").path
+    runs = []
+    for repack in (False, True):
+        with tandem.LLM(path, device="cuda", cpu_moe=True, dtype="f32", n_ctx=128, repack_experts=repack) as llm:
+            assert any(n.startswith("--repack-experts") for n in llm.notices) == repack
+            engine = llm.engine
+            logits = [engine.feed([300, 1000, 77, 5]).float().cpu()]
+            for token in (11, 22, 33, 44):  # the same tokens in both runs; the first step eager, then replayed
+                logits.append(engine.append([token]).float().cpu())
+            runs.append(torch.stack(logits))
+    plain, repacked = runs
+    assert (repacked - plain).abs().max() <= 1e-4 * plain.abs().max()
