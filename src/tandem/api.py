@@ -83,8 +83,8 @@ class LLM:
         the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32. progress(done, total) is
         called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode step as CUDA
         graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts: copy
-        the expert stacks computed on the CPU into ggml's repacked layout where ggml has one for their type
-        (faster products, host RAM equal to those stacks; llama.cpp leaves `--cpu-moe` experts in the file).
+        the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
+        CPU (faster products, host RAM equal to those stacks; llama.cpp leaves `--cpu-moe` experts in the file).
         """
         if n_ctx <= 0:
             raise TandemError(f"n_ctx must be positive, got {n_ctx}")

@@ -23,8 +23,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repack-experts",
         action="store_true",
-        help="copy the experts computed on the CPU into ggml's repacked layout where it has one for their type "
-        "(faster products; host RAM equal to those stacks)",
+        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout (faster products on x86; "
+        "host RAM equal to those stacks)",
     )
 
 

@@ -115,8 +115,8 @@ class WeightLoader:
         )
 
     def cpu_experts(self, info: TensorInfo) -> GGMLExperts:
-        """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or on a repacked copy
-        of them with --repack-experts where ggml repacks the type."""
+        """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or with
+        --repack-experts on a repacked copy of them (Q4_K, where ggml repacks it on this CPU)."""
         self._record(info, info.data)
         weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
         if self.repack_experts:
