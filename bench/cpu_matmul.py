@@ -23,7 +23,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from tandem.quant import ggml_cpu
-from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight
+from tandem.quant.ggml_cpu import CPUKernels
+from tandem.quant.ggml_weights import GGMLWeight
 
 
 def random_q4_k(n: int, k: int, rng: np.random.Generator) -> GGMLWeight:

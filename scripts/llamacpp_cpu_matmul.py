@@ -4,7 +4,7 @@
     python scripts/llamacpp_cpu_matmul.py [--lib DIR] [--threads 2] [--json OUT]
 
 tandem holds a CPU model's matrices as llama.cpp's CPU backend holds them (`prepare_cpu_weight` in
-tandem/quant/ggml_cpu.py: copies repacked for ggml's interleaved kernels, llama.cpp's tiled Q6_K product
+tandem/quant/ggml_weights.py: copies repacked for ggml's interleaved kernels, llama.cpp's tiled Q6_K product
 from 8 rows), so that its products are llama.cpp's to the last bit. This checks it op by op: the same
 random weight and activations go through tandem's `CPUKernels.matmul` and through llama.cpp's ggml (the
 libraries of llama-cpp-python's CPU build, scripts/build_llamacpp.sh), which a child process calls through
@@ -187,7 +187,8 @@ def main() -> int:
     import torch
     from gguf import GGMLQuantizationType as Q
 
-    from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight, prepare_cpu_weight
+    from tandem.quant.ggml_cpu import CPUKernels
+    from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight
     from tandem.quant.ggml_tiled import TILED_ARITHMETIC, TILED_MIN_ROWS
 
     rng = np.random.default_rng(0)

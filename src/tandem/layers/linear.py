@@ -11,7 +11,8 @@ from typing import Protocol
 
 import torch
 
-from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight
+from tandem.quant.ggml_cpu import CPUKernels
+from tandem.quant.ggml_weights import GGMLWeight
 
 
 class Linear(Protocol):

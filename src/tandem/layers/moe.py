@@ -14,7 +14,8 @@ import torch
 from tandem.layers.activations import GLU
 from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, GGMLWeight
+from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, check_gate_up
+from tandem.quant.ggml_weights import GGMLWeight
 
 # The result of routed experts that may still be computing on the host (see runtime/offload.py).
 Pending = Callable[[], torch.Tensor]
@@ -165,9 +166,7 @@ class GLUExperts:
     _graph: tuple[CPUKernels, ExpertFFN] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        split = self.gate is not None or self.up is not None
-        if (self.gate_up is not None) == split or (split and (self.gate is None or self.up is None)):
-            raise ValueError("GLUExperts needs gate and up, or gate_up alone")
+        check_gate_up("GLUExperts", self.gate, self.up, self.gate_up)
         self._graph = self._ggml_graph()
 
     def _ggml_graph(self) -> tuple[CPUKernels, ExpertFFN] | None:

@@ -11,45 +11,34 @@ buffer and its threadpool live as long as the `CPUKernels` object, and the one-n
 distinct problem (type, shape, token count) is built once and cached; a call then only writes three
 or four `data` pointers into the cached ggml tensors and runs the graph.
 
-The matrices of a CPU model are held as llama.cpp's CPU backend holds them (`prepare_cpu_weight`), so that
-the products are llama.cpp's to the bit:
-
-* Repacked weights. llama.cpp loads the weights its CPU backend can repack into ggml's `CPU_REPACK` buffer
-  type (on x86 with AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with AVX-512, when the row count is a
-  multiple of 8) and multiplies them with the interleaved gemm/gemv kernels. tandem's ggml has the same
-  buffer type and kernels: such a weight is copied into it (`RepackedTensor`; ggml decides, through the
-  buffer type and `supports_op`, as llama.cpp's loader asks it) and its products run on the copy. That
-  costs the weight's bytes in RAM, as in llama.cpp (whose mmap pages of those weights then go cold).
-  Only CPU_REPACK is used: the project's llama.cpp CPU builds leave AMX out (scripts/build_llamacpp.sh).
-* The tiled K-quant product (`tandem.quant.ggml_tiled`): for 8 activation rows or more, llama.cpp runs
-  K-quant weights that are not repacked through a tiled kernel that tandem's ggml lacks; its Q6_K case
-  is computed exactly in torch.
-
-Everything else stays zero-copy in the memory map.
+The matrices of a CPU model are held as llama.cpp's CPU backend holds them (repacked copies, the tiled
+K-quant product: `tandem.quant.ggml_weights`), so that the products are llama.cpp's to the bit.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import threading
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import ggml
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.errors import UnsupportedModelError
-from tandem.quant.ggml_tiled import TILED_MIN_ROWS, TiledQ6K, tiled_product
+from tandem.quant.ggml_tiled import TILED_MIN_ROWS
+from tandem.quant.ggml_weights import (
+    GGMLWeight,
+    RepackedTensor,
+    mul_mat_supported,
+    new_tensor,
+    point_tensor,
+    point_weight,
+)
 
-__all__ = ["GGMLWeight", "CPUKernels", "ExpertFFN", "RepackedTensor", "mul_mat_supported", "prepare_cpu_weight"]
+__all__ = ["CPUKernels", "ExpertFFN", "check_gate_up"]
 
 # Graphs kept per CPUKernels. A model has a handful of (type, N, K) combinations per layer kind, and
 # decode uses one token count; prefill adds one set per distinct chunk length. Each entry is ~3 KiB.
@@ -60,191 +49,6 @@ _GRAPH_NODES = 4
 _graph_compute = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
     ctypes.cast(ggml.ggml_backend_graph_compute, ctypes.c_void_p).value
 )
-
-
-def mul_mat_supported(qtype: GGMLQuantizationType) -> bool:
-    """Whether this ggml build has a CPU dot product for `qtype` (so `ggml_mul_mat` can use it)."""
-    try:
-        traits = ggml.ggml_get_type_traits_cpu(int(qtype)).contents
-    except (ValueError, OSError):
-        return False
-    return bool(traits.vec_dot)
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: identity equality/hash (ndarray fields do not compare)
-class GGMLWeight:
-    """A quantized weight as it lies in the GGUF file.
-
-    `data` is the uint8, C-contiguous raw bytes (normally a view into the file's memory map); this
-    object keeps it alive, so the ggml tensors that point at it stay valid while it is referenced.
-    `shape` is in PyTorch order: (N, K) for a matrix, (E, N, K) for stacked experts.
-
-    `repacked` / `tiled`: how llama.cpp's CPU backend would multiply the matrix, when it does so other
-    than with ggml's plain `mul_mat` on the blocks (set by `prepare_cpu_weight`; see the module docstring).
-    """
-
-    data: np.ndarray
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]
-    # Address of data[0], read once here rather than on every call.
-    ptr: int = field(init=False, repr=False)
-    repacked: RepackedTensor | None = field(default=None, repr=False)
-    tiled: TiledQ6K | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        qtype = GGMLQuantizationType(self.qtype)
-        object.__setattr__(self, "qtype", qtype)
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if len(self.shape) not in (2, 3) or min(self.shape) <= 0:
-            raise ValueError(f"GGMLWeight shape must be (N, K) or (E, N, K) with positive sizes, got {self.shape}")
-        if self.data.dtype != np.uint8 or not self.data.flags.c_contiguous:
-            raise ValueError("GGMLWeight data must be a C-contiguous uint8 array (the raw GGUF bytes)")
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        k = self.shape[-1]
-        if k % block:
-            raise ValueError(f"row length {k} is not a multiple of the {qtype.name} block size {block}")
-        n_rows = int(np.prod(self.shape[:-1]))
-        expected = n_rows * (k // block) * type_size
-        if self.data.nbytes != expected:
-            raise ValueError(
-                f"{qtype.name} weight of shape {self.shape} needs {expected} bytes, got {self.data.nbytes}"
-            )
-        object.__setattr__(self, "ptr", int(self.data.__array_interface__["data"][0]))
-
-
-@lru_cache(maxsize=1)
-def _repack_buffer_type() -> int | None:
-    """ggml's CPU_REPACK buffer type, from the CPU device's extra buffer types (None if this build has none)."""
-    reg = ggml.ggml_backend_cpu_reg()
-    proc = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-    if not proc:
-        return None
-    get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)
-    types = get_extra(ggml.ggml_backend_reg_dev_get(reg, 0))
-    i = 0
-    while types and types[i]:
-        if ggml.ggml_backend_buft_name(types[i]) == b"CPU_REPACK":
-            return int(types[i])
-        i += 1
-    return None
-
-
-# Activation rows of the product llama.cpp's loader asks the backend about (weight_buft_supported).
-_PROBE_ROWS = 512
-
-
-class RepackedTensor:
-    """A matrix or a stack of experts copied into ggml's CPU_REPACK buffer, in the interleaved layout of
-    ggml's gemm/gemv kernels.
-
-    Owns a ggml context (the tensor's metadata) and a backend buffer (the repacked bytes), both freed with
-    this object. `data`, `buffer` and `extra` are what a ggml tensor standing for it must carry: the
-    CPU backend picks the repacked kernels from the buffer's type and runs them with `extra`.
-    """
-
-    __slots__ = ("data", "buffer", "extra", "nbytes", "__weakref__")
-
-    def __init__(self, ctx: int, buffer: int, tensor: ggml.ggml_tensor_p) -> None:
-        self.buffer = buffer
-        self.data = int(tensor.contents.data)
-        self.extra = int(tensor.contents.extra)
-        self.nbytes = int(ggml.ggml_nbytes(tensor))
-        weakref.finalize(self, _free_repacked, ctx, buffer)
-
-    @classmethod
-    def create(cls, w: GGMLWeight) -> RepackedTensor | None:
-        """w repacked, or None when ggml does not repack its type and shape on this machine (or the build
-        has no CPU_REPACK buffer type): ggml decides, as llama.cpp's loader asks it."""
-        buft = _repack_buffer_type()
-        if buft is None:
-            return None
-        k = w.shape[-1]
-        mem = ggml.ggml_tensor_overhead() * 4
-        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
-        if not ctx:
-            raise MemoryError("ggml_init failed")
-        buffer = None
-        try:
-            t = _new_tensor(ctx, int(w.qtype), w.shape[::-1])
-            if len(w.shape) == 2:  # the product llama.cpp's loader asks about
-                probe = ggml.ggml_mul_mat(ctx, t, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, _PROBE_ROWS))
-            else:  # a stack of experts: one token's selected experts
-                x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, k, 1, 1)
-                probe = ggml.ggml_mul_mat_id(ctx, t, x, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, 1, 1))
-            buffer = ggml.ggml_backend_buft_alloc_buffer(buft, ggml.ggml_backend_buft_get_alloc_size(buft, t))
-            if not buffer:
-                raise MemoryError(f"could not allocate {ggml.ggml_nbytes(t)} bytes for a repacked weight")
-            # The buffer's init_tensor picks the repacked layout for the type and shape (extra), or none.
-            if ggml.ggml_backend_tensor_alloc(buffer, t, ggml.ggml_backend_buffer_get_base(buffer)) != 0:
-                raise MemoryError("ggml_backend_tensor_alloc failed")
-            device = ggml.ggml_backend_buft_get_device(buft)
-            if not t.contents.extra or not ggml.ggml_backend_dev_supports_op(device, probe):
-                _free_repacked(ctx, buffer)
-                return None
-            with _without_ggml_debug_log():  # ggml announces each repacked tensor at debug level
-                ggml.ggml_backend_tensor_set(t, w.ptr, 0, w.data.nbytes)  # repacks the blocks into the buffer
-        except BaseException:
-            _free_repacked(ctx, buffer)
-            raise
-        return cls(ctx, buffer, t)
-
-
-@contextmanager
-def _without_ggml_debug_log() -> Iterator[None]:
-    """ggml's debug-level messages dropped meanwhile (ggml-python's default logger prints every level to
-    stderr; llama.cpp's hides debug); the others go to the logger in place."""
-    previous = ggml.ggml_log_callback()
-    user_data = ctypes.c_void_p()
-    ggml.ggml_log_get(ctypes.byref(previous), ctypes.byref(user_data))
-
-    def log(level: int, text: bytes, _: int | None) -> None:
-        if level != ggml.GGML_LOG_LEVEL_DEBUG:
-            previous(level, text, user_data)
-
-    callback = ggml.ggml_log_callback(log)
-    ggml.ggml_log_set(callback, None)
-    try:
-        yield
-    finally:
-        ggml.ggml_log_set(previous, user_data)
-
-
-def _free_repacked(ctx: int, buffer: int | None) -> None:
-    if buffer:
-        ggml.ggml_backend_buffer_free(buffer)
-    ggml.ggml_free(ctx)
-
-
-def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
-    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the CPU_REPACK
-    buffer when ggml repacks it, else left in the memory map, with the tiled kernel's product for 8 rows
-    or more where llama.cpp's build has one for its type. Stacked experts (mul_mat_id) are left as they are.
-    """
-    if len(w.shape) != 2 or w.repacked is not None or w.tiled is not None:
-        return w
-    repacked = RepackedTensor.create(w)
-    if repacked is not None:
-        return dataclasses.replace(w, repacked=repacked)
-    tiled = tiled_product(w.data, w.qtype, w.shape)
-    return w if tiled is None else dataclasses.replace(w, tiled=tiled)
-
-
-# Expert types repacked by --repack-experts: those whose repacked product equals the plain one to float32
-# rounding (tests/test_synth.py). ggml also repacks MXFP4 on x86, but its repacked gemv quantizes the
-# activations otherwise: ~1e-4 relative away from the plain product (and from llama.cpp's --cpu-moe).
-_REPACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_K})
-
-
-def repack_experts(w: GGMLWeight) -> GGMLWeight:
-    """A Q4_K stack of experts (E, N, K) with a copy in ggml's CPU_REPACK buffer where ggml repacks it on
-    this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's interleaved gemv; else
-    w as it is. llama.cpp leaves `--cpu-moe` experts in the file mapping: this costs host RAM equal to the
-    stack and bought ~1.05-1.15x per product on a 2-vCPU Xeon (not measured on the GPU machine yet); the
-    blocks in the file stay what prefill streams to the GPU."""
-    if len(w.shape) != 3 or w.repacked is not None or w.qtype not in _REPACKED_EXPERT_TYPES:
-        return w
-    repacked = RepackedTensor.create(w)
-    return w if repacked is None else dataclasses.replace(w, repacked=repacked)
 
 
 class _Graph:
@@ -303,9 +107,8 @@ class ExpertFFN:
         op = _GLU_OPS.get(self.glu)
         if op is None or len(self.glu_params) != op[1]:
             raise ValueError(f"no ggml gated unit {self.glu!r} taking {len(self.glu_params)} parameters")
+        check_gate_up("ExpertFFN", self.gate, self.up, self.gate_up)
         fused = self.gate_up is not None
-        if fused == (self.gate is not None or self.up is not None) or (not fused and None in (self.gate, self.up)):
-            raise ValueError("ExpertFFN needs gate and up, or gate_up alone")
         if len(self.down.shape) != 3:
             raise ValueError(f"down must be an (E, D, F) stack, got shape {self.down.shape}")
         e, d, f = self.down.shape
@@ -411,12 +214,7 @@ class CPUKernels:
         key = (0, int(w.qtype), n, k, t, repacked is not None)
         with self._lock:
             g = self._cached(key, lambda: self._build(key, w.qtype, (k, n), (k, t), None, repacked))
-            if repacked is None:
-                g.w.data = w.ptr
-            else:  # the repacked copy: its buffer (type) selects ggml's repacked kernels, extra is their layout
-                g.w.data = repacked.data
-                g.w.buffer = repacked.buffer
-                g.w.extra = repacked.extra
+            point_weight(g.w, w)
             g.x.data = x.data_ptr()
             g.out.data = y.data_ptr()
             self._compute(g.graph)
@@ -440,7 +238,7 @@ class CPUKernels:
             if g is None:
                 g = self._build_geglu(key, gate, up, x)
             for tensor, w in zip(g.inputs[:2], (gate, up), strict=True):
-                _point_weight(tensor, w)
+                point_weight(tensor, w)
             g.inputs[2].data = x.data_ptr()
             g.inputs[3].data = y.data_ptr()
             self._compute(g.graph)
@@ -457,12 +255,12 @@ class CPUKernels:
         if not ctx:
             raise MemoryError("ggml_init failed")
         try:
-            g_t = _new_tensor(ctx, int(gate.qtype), (k, f))
-            u_t = _new_tensor(ctx, int(up.qtype), (k, f))
-            x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, (k, t))
+            g_t = new_tensor(ctx, int(gate.qtype), (k, f))
+            u_t = new_tensor(ctx, int(up.qtype), (k, f))
+            x_t = new_tensor(ctx, ggml.GGML_TYPE_F32, (k, t))
             # Inputs point at real memory before allocation, so the allocator leaves them alone.
             for tensor, w in ((g_t.contents, gate), (u_t.contents, up)):
-                _point_weight(tensor, w)
+                point_weight(tensor, w)
             x_t.contents.data = x.data_ptr()
             for tensor in (g_t, u_t, x_t):
                 ggml.ggml_set_input(tensor)
@@ -555,20 +353,14 @@ class CPUKernels:
             g = self._ffn_graphs.get(key)
             if g is None:
                 g = self._build_ffn(key, ffn, x, ids, weights)
-        addresses = [ptr if repacked is None else repacked.data for _, _, ptr, repacked in ffn.inputs.values()]
-        addresses += [x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr()]
-        pointers = list(zip(g.inputs, addresses, strict=True))
-        # A repacked copy's buffer (whose type selects ggml's repacked kernels) and layout go with its address.
-        repacks = [r for *_, r in ffn.inputs.values()]
-        layouts = [(tensor, r.buffer, r.extra) for tensor, r in zip(g.inputs, repacks, strict=False) if r is not None]
+        targets = [(ptr, repacked) for _, _, ptr, repacked in ffn.inputs.values()]
+        targets += [(t.data_ptr(), None) for t in (x, ids, weights, out)]
+        pointers = [(tensor, ptr, repacked) for tensor, (ptr, repacked) in zip(g.inputs, targets, strict=True)]
 
         def run() -> None:
             with self._lock:  # the cached graph may serve several layers: point it at this one's buffers
-                for tensor, ptr in pointers:
-                    tensor.data = ptr
-                for tensor, buffer, extra in layouts:
-                    tensor.buffer = buffer
-                    tensor.extra = extra
+                for tensor, ptr, repacked in pointers:
+                    point_tensor(tensor, ptr, repacked)
                 self._compute(g.graph)
 
         return run
@@ -595,12 +387,8 @@ class CPUKernels:
         ) -> ggml.ggml_tensor_p:
             # Inputs point at real memory before allocation, so the allocator leaves them alone. Views of them
             # would keep the first address: the graph reads each input directly.
-            tensor = _new_tensor(ctx, gtype, ne)
-            if repacked is not None:  # the repacked copy, its buffer and layout (see RepackedTensor)
-                ptr = repacked.data
-                tensor.contents.buffer = repacked.buffer
-                tensor.contents.extra = repacked.extra
-            tensor.contents.data = ptr
+            tensor = new_tensor(ctx, gtype, ne)
+            point_tensor(tensor.contents, ptr, repacked)
             ggml.ggml_set_input(tensor)
             inputs.append(tensor)
             return tensor
@@ -731,16 +519,15 @@ class CPUKernels:
         if not ctx:
             raise MemoryError("ggml_init failed")
         try:
-            w_t = _new_tensor(ctx, int(qtype), w_ne)
+            w_t = new_tensor(ctx, int(qtype), w_ne)
             if repacked is not None:
-                w_t.contents.buffer = repacked.buffer
-                w_t.contents.extra = repacked.extra
-            x_t = _new_tensor(ctx, ggml.GGML_TYPE_F32, x_ne)
+                point_tensor(w_t.contents, 0, repacked)
+            x_t = new_tensor(ctx, ggml.GGML_TYPE_F32, x_ne)
             if ids_ne is None:
                 ids_t = None
                 out_t = ggml.ggml_mul_mat(ctx, w_t, x_t)
             else:
-                ids_t = _new_tensor(ctx, ggml.GGML_TYPE_I32, ids_ne)
+                ids_t = new_tensor(ctx, ggml.GGML_TYPE_I32, ids_ne)
                 out_t = ggml.ggml_mul_mat_id(ctx, w_t, x_t, ids_t)
             if not ggml.ggml_backend_supports_op(self._backend, out_t):
                 raise UnsupportedModelError(f"the ggml CPU backend does not support this product for {qtype.name}")
@@ -774,21 +561,12 @@ def _check_ids(ids: torch.Tensor, n_experts: int) -> None:
         raise ValueError(f"expert ids must be in [0, {n_experts}), got range [{int(lo)}, {int(hi)}]")
 
 
-def _point_weight(tensor: ggml.ggml_tensor, w: GGMLWeight) -> None:
-    """Point a matrix's ggml tensor at w's bytes: the mapped blocks, or the repacked copy (whose buffer type
-    selects ggml's repacked kernels and whose extra is their layout)."""
-    if w.repacked is None:
-        tensor.data = w.ptr
-    else:
-        tensor.data = w.repacked.data
-        tensor.buffer = w.repacked.buffer
-        tensor.extra = w.repacked.extra
-
-
-def _new_tensor(ctx: int, gtype: int, ne: tuple[int, ...]) -> ggml.ggml_tensor_p:
-    if len(ne) == 2:
-        return ggml.ggml_new_tensor_2d(ctx, gtype, ne[0], ne[1])
-    return ggml.ggml_new_tensor_3d(ctx, gtype, ne[0], ne[1], ne[2])
+def check_gate_up(owner: str, gate: object | None, up: object | None, gate_up: object | None) -> None:
+    """Experts have gate and up stacks, or one fused gate_up stack: exactly one of the two forms."""
+    fused_ok = gate_up is not None and gate is None and up is None
+    split_ok = gate_up is None and gate is not None and up is not None
+    if not (fused_ok or split_ok):
+        raise ValueError(f"{owner} needs gate and up, or gate_up alone")
 
 
 def _as_f32(x: torch.Tensor) -> torch.Tensor:

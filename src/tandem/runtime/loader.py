@@ -21,7 +21,8 @@ from tandem.layers.moe import RoutedExperts
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
 from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
-from tandem.quant.ggml_cpu import CPUKernels, GGMLWeight, prepare_cpu_weight, repack_experts
+from tandem.quant.ggml_cpu import CPUKernels
+from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight, repack_experts
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
 from tandem.runtime.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
 

@@ -1,0 +1,245 @@
+"""GGUF weights as ggml reads them on the CPU: `GGMLWeight` (the raw blocks, normally a view into the
+file's memory map) and, where ggml's CPU backend multiplies a weight from another layout, its repacked copy.
+
+* Repacked weights. llama.cpp loads the weights its CPU backend can repack into ggml's `CPU_REPACK` buffer
+  type (on x86 with AVX2: Q4_0, Q4_K, IQ4_NL, MXFP4, and Q2_K with AVX-512, when the row count is a
+  multiple of 8) and multiplies them with the interleaved gemm/gemv kernels. tandem's ggml has the same
+  buffer type and kernels: such a matrix is copied into it (`RepackedTensor`; ggml decides, through the
+  buffer type and `supports_op`, as llama.cpp's loader asks it) and its products run on the copy
+  (`prepare_cpu_weight`). That costs the weight's bytes in RAM, as in llama.cpp (whose mmap pages of those
+  weights then go cold). Only CPU_REPACK is used: the project's llama.cpp CPU builds leave AMX out
+  (scripts/build_llamacpp.sh). Expert stacks stay in the memory map, as llama.cpp keeps `--cpu-moe` experts,
+  unless `--repack-experts` asks for copies (`repack_experts`).
+* The tiled K-quant product (`tandem.quant.ggml_tiled`): for 8 activation rows or more, llama.cpp runs
+  K-quant weights that are not repacked through a tiled kernel that tandem's ggml lacks; its Q6_K case
+  is computed exactly in torch.
+
+`point_weight` / `point_tensor` aim a ggml tensor at a weight's bytes (the blocks or the copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import ggml
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+from tandem.quant.ggml_tiled import TiledQ6K, tiled_product
+
+__all__ = ["GGMLWeight", "RepackedTensor", "mul_mat_supported", "prepare_cpu_weight", "repack_experts",
+           "point_weight", "point_tensor", "new_tensor"]  # fmt: skip
+
+
+def mul_mat_supported(qtype: GGMLQuantizationType) -> bool:
+    """Whether this ggml build has a CPU dot product for `qtype` (so `ggml_mul_mat` can use it)."""
+    try:
+        traits = ggml.ggml_get_type_traits_cpu(int(qtype)).contents
+    except (ValueError, OSError):
+        return False
+    return bool(traits.vec_dot)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: identity equality/hash (ndarray fields do not compare)
+class GGMLWeight:
+    """A quantized weight as it lies in the GGUF file.
+
+    `data` is the uint8, C-contiguous raw bytes (normally a view into the file's memory map); this
+    object keeps it alive, so the ggml tensors that point at it stay valid while it is referenced.
+    `shape` is in PyTorch order: (N, K) for a matrix, (E, N, K) for stacked experts.
+
+    `repacked` / `tiled`: how llama.cpp's CPU backend would multiply the matrix, when it does so other
+    than with ggml's plain `mul_mat` on the blocks (set by `prepare_cpu_weight`; see the module docstring).
+    """
+
+    data: np.ndarray
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    # Address of data[0], read once here rather than on every call.
+    ptr: int = field(init=False, repr=False)
+    repacked: RepackedTensor | None = field(default=None, repr=False)
+    tiled: TiledQ6K | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        qtype = GGMLQuantizationType(self.qtype)
+        object.__setattr__(self, "qtype", qtype)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if len(self.shape) not in (2, 3) or min(self.shape) <= 0:
+            raise ValueError(f"GGMLWeight shape must be (N, K) or (E, N, K) with positive sizes, got {self.shape}")
+        if self.data.dtype != np.uint8 or not self.data.flags.c_contiguous:
+            raise ValueError("GGMLWeight data must be a C-contiguous uint8 array (the raw GGUF bytes)")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        k = self.shape[-1]
+        if k % block:
+            raise ValueError(f"row length {k} is not a multiple of the {qtype.name} block size {block}")
+        n_rows = int(np.prod(self.shape[:-1]))
+        expected = n_rows * (k // block) * type_size
+        if self.data.nbytes != expected:
+            raise ValueError(
+                f"{qtype.name} weight of shape {self.shape} needs {expected} bytes, got {self.data.nbytes}"
+            )
+        object.__setattr__(self, "ptr", int(self.data.__array_interface__["data"][0]))
+
+
+@lru_cache(maxsize=1)
+def _repack_buffer_type() -> int | None:
+    """ggml's CPU_REPACK buffer type, from the CPU device's extra buffer types (None if this build has none)."""
+    reg = ggml.ggml_backend_cpu_reg()
+    proc = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not proc:
+        return None
+    get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)
+    types = get_extra(ggml.ggml_backend_reg_dev_get(reg, 0))
+    i = 0
+    while types and types[i]:
+        if ggml.ggml_backend_buft_name(types[i]) == b"CPU_REPACK":
+            return int(types[i])
+        i += 1
+    return None
+
+
+# Activation rows of the product llama.cpp's loader asks the backend about (weight_buft_supported).
+_PROBE_ROWS = 512
+
+
+class RepackedTensor:
+    """A matrix or a stack of experts copied into ggml's CPU_REPACK buffer, in the interleaved layout of
+    ggml's gemm/gemv kernels.
+
+    Owns a ggml context (the tensor's metadata) and a backend buffer (the repacked bytes), both freed with
+    this object. `data`, `buffer` and `extra` are what a ggml tensor standing for it must carry: the
+    CPU backend picks the repacked kernels from the buffer's type and runs them with `extra`.
+    """
+
+    __slots__ = ("data", "buffer", "extra", "nbytes", "__weakref__")
+
+    def __init__(self, ctx: int, buffer: int, tensor: ggml.ggml_tensor_p) -> None:
+        self.buffer = buffer
+        self.data = int(tensor.contents.data)
+        self.extra = int(tensor.contents.extra)
+        self.nbytes = int(ggml.ggml_nbytes(tensor))
+        weakref.finalize(self, _free_repacked, ctx, buffer)
+
+    @classmethod
+    def create(cls, w: GGMLWeight) -> RepackedTensor | None:
+        """w repacked, or None when ggml does not repack its type and shape on this machine (or the build
+        has no CPU_REPACK buffer type): ggml decides, as llama.cpp's loader asks it."""
+        buft = _repack_buffer_type()
+        if buft is None:
+            return None
+        k = w.shape[-1]
+        mem = ggml.ggml_tensor_overhead() * 4
+        ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
+        if not ctx:
+            raise MemoryError("ggml_init failed")
+        buffer = None
+        try:
+            t = new_tensor(ctx, int(w.qtype), w.shape[::-1])
+            if len(w.shape) == 2:  # the product llama.cpp's loader asks about
+                probe = ggml.ggml_mul_mat(ctx, t, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, k, _PROBE_ROWS))
+            else:  # a stack of experts: one token's selected experts
+                x = ggml.ggml_new_tensor_3d(ctx, ggml.GGML_TYPE_F32, k, 1, 1)
+                probe = ggml.ggml_mul_mat_id(ctx, t, x, ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_I32, 1, 1))
+            buffer = ggml.ggml_backend_buft_alloc_buffer(buft, ggml.ggml_backend_buft_get_alloc_size(buft, t))
+            if not buffer:
+                raise MemoryError(f"could not allocate {ggml.ggml_nbytes(t)} bytes for a repacked weight")
+            # The buffer's init_tensor picks the repacked layout for the type and shape (extra), or none.
+            if ggml.ggml_backend_tensor_alloc(buffer, t, ggml.ggml_backend_buffer_get_base(buffer)) != 0:
+                raise MemoryError("ggml_backend_tensor_alloc failed")
+            device = ggml.ggml_backend_buft_get_device(buft)
+            if not t.contents.extra or not ggml.ggml_backend_dev_supports_op(device, probe):
+                _free_repacked(ctx, buffer)
+                return None
+            with _without_ggml_debug_log():  # ggml announces each repacked tensor at debug level
+                ggml.ggml_backend_tensor_set(t, w.ptr, 0, w.data.nbytes)  # repacks the blocks into the buffer
+        except BaseException:
+            _free_repacked(ctx, buffer)
+            raise
+        return cls(ctx, buffer, t)
+
+
+@contextmanager
+def _without_ggml_debug_log() -> Iterator[None]:
+    """ggml's debug-level messages dropped meanwhile (ggml-python's default logger prints every level to
+    stderr; llama.cpp's hides debug); the others go to the logger in place."""
+    previous = ggml.ggml_log_callback()
+    user_data = ctypes.c_void_p()
+    ggml.ggml_log_get(ctypes.byref(previous), ctypes.byref(user_data))
+
+    def log(level: int, text: bytes, _: int | None) -> None:
+        if level != ggml.GGML_LOG_LEVEL_DEBUG:
+            previous(level, text, user_data)
+
+    callback = ggml.ggml_log_callback(log)
+    ggml.ggml_log_set(callback, None)
+    try:
+        yield
+    finally:
+        ggml.ggml_log_set(previous, user_data)
+
+
+def _free_repacked(ctx: int, buffer: int | None) -> None:
+    if buffer:
+        ggml.ggml_backend_buffer_free(buffer)
+    ggml.ggml_free(ctx)
+
+
+def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
+    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the CPU_REPACK
+    buffer when ggml repacks it, else left in the memory map, with the tiled kernel's product for 8 rows
+    or more where llama.cpp's build has one for its type. Stacked experts (mul_mat_id) are left as they are.
+    """
+    if len(w.shape) != 2 or w.repacked is not None or w.tiled is not None:
+        return w
+    repacked = RepackedTensor.create(w)
+    if repacked is not None:
+        return dataclasses.replace(w, repacked=repacked)
+    tiled = tiled_product(w.data, w.qtype, w.shape)
+    return w if tiled is None else dataclasses.replace(w, tiled=tiled)
+
+
+# Expert types repacked by --repack-experts: those whose repacked product equals the plain one to float32
+# rounding (tests/test_synth.py). ggml also repacks MXFP4 on x86, but its repacked gemv quantizes the
+# activations otherwise: ~1e-4 relative away from the plain product (and from llama.cpp's --cpu-moe).
+_REPACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_K})
+
+
+def repack_experts(w: GGMLWeight) -> GGMLWeight:
+    """A Q4_K stack of experts (E, N, K) with a copy in ggml's CPU_REPACK buffer where ggml repacks it on
+    this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's interleaved gemv; else
+    w as it is. llama.cpp leaves `--cpu-moe` experts in the file mapping: this costs host RAM equal to the
+    stack and bought ~1.05-1.15x per product on a 2-vCPU Xeon (not measured on the GPU machine yet); the
+    blocks in the file stay what prefill streams to the GPU."""
+    if len(w.shape) != 3 or w.repacked is not None or w.qtype not in _REPACKED_EXPERT_TYPES:
+        return w
+    repacked = RepackedTensor.create(w)
+    return w if repacked is None else dataclasses.replace(w, repacked=repacked)
+
+
+def point_weight(tensor: ggml.ggml_tensor, w: GGMLWeight) -> None:
+    """Point a weight's ggml tensor at w's bytes: the mapped blocks, or the repacked copy."""
+    point_tensor(tensor, w.ptr, w.repacked)
+
+
+def point_tensor(tensor: ggml.ggml_tensor, ptr: int, repacked: RepackedTensor | None) -> None:
+    """Point a ggml tensor at `ptr`, or at a repacked copy, whose buffer type selects ggml's repacked kernels
+    and whose extra is their layout."""
+    if repacked is None:
+        tensor.data = ptr
+    else:
+        tensor.data = repacked.data
+        tensor.buffer = repacked.buffer
+        tensor.extra = repacked.extra
+
+
+def new_tensor(ctx: int, gtype: int, ne: tuple[int, ...]) -> ggml.ggml_tensor_p:
+    if len(ne) == 2:
+        return ggml.ggml_new_tensor_2d(ctx, gtype, ne[0], ne[1])
+    return ggml.ggml_new_tensor_3d(ctx, gtype, ne[0], ne[1], ne[2])
