@@ -86,3 +86,13 @@ def tiny_gemma4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 def tiny_gpt_oss_mxfp4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The same tiny gpt-oss with its experts stored as MXFP4 blocks/scales (repacked, not requantized)."""
     return _build(tmp_path_factory, "tiny_gpt_oss_mxfp4", lambda d: make_tiny_gpt_oss(d, mxfp4=True))
+
+
+@pytest.fixture(scope="module")
+def kernels():  # type: ignore[no-untyped-def]
+    """ggml CPU kernels with 2 threads, for the ggml tests of a module."""
+    from tandem.quant.ggml_cpu import CPUKernels
+
+    k = CPUKernels(n_threads=2)
+    yield k
+    k.close()

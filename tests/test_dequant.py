@@ -8,27 +8,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as ref_dequantize
+from qblocks import F16_FIELDS
 
 from tandem.errors import UnsupportedModelError
 from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.types import SUPPORTED_TYPES
 
-# Byte offsets of the f16 scale fields inside one block, per block-quantized type.
-F16_FIELDS: dict[Q, tuple[int, ...]] = {
-    Q.Q8_0: (0,),
-    Q.Q4_0: (0,),
-    Q.Q4_1: (0, 2),
-    Q.Q5_0: (0,),
-    Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,),
-    Q.IQ4_XS: (0,),
-    Q.MXFP4: (),  # its scale is the e8m0 byte 0, set separately
-}
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 ALL_TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.value)
 BLOCK_COUNTS = (1, 3, 40)

@@ -7,7 +7,7 @@ op-level tensors by scripts/compare_activations_llamacpp.py --save-ops.
 Every op tandem computes itself on the CPU (RMS norm, rope, attention with the f16 cache, GEGLU) gives
 llama.cpp's float32 results bit for bit (test_ops_match_llamacpp_bit_for_bit), and the quantized products
 are llama.cpp's too: the Q4_K weights are repacked for ggml's interleaved kernels and the Q6_K products
-over 8 rows or more follow llama.cpp's tiled kernel (tandem/quant/ggml_cpu.py, ggml_tiled.py). So every
+over 8 rows or more follow llama.cpp's tiled kernel (tandem/quant/ggml_weights.py, ggml_tiled.py). So every
 prompt matches for all its tokens and the last-position logits are llama.cpp's exactly -- on a CPU like
 the recording one: elsewhere llama.cpp itself runs other kernel variants (AVX2 instead of AVX-512 for the
 repacked Q4_K products), whose last bits the fixture does not hold.

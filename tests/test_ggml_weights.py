@@ -1,0 +1,277 @@
+"""How tandem holds a CPU model's matrices as llama.cpp's CPU backend does (tandem.quant.ggml_weights):
+copies repacked where ggml repacks the type, the tiled K-quant product for 8 rows or more (ggml_tiled),
+and the products of both against the plain ones, emulations and llama.cpp's own ggml."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import weakref
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+
+import ggml
+import numpy as np
+import pytest
+import torch
+from ggml_reference import _q8_k_roundtrip, activation_as_ggml_sees_it, check, dequant, rel_err
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from qblocks import random_weight_bytes
+
+import tandem.quant.ggml_tiled as gtiled
+from tandem.gguf.reader import TensorInfo
+from tandem.layers.linear import GGMLLinear
+from tandem.quant.ggml_cpu import CPUKernels
+from tandem.quant.ggml_tiled import TILED_ARITHMETIC, TiledQ6K, fma32, quantize_q8_k
+from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight
+from tandem.runtime.loader import WeightLoader
+
+# The types ggml repacks on x86 with AVX2 (rows a multiple of 8); Q2_K needs AVX-512.
+REPACKED_X86 = [Q.Q4_K, Q.Q4_0, Q.IQ4_NL, Q.MXFP4]
+
+
+def repacked_or_skip(w: GGMLWeight) -> GGMLWeight:
+    prepared = prepare_cpu_weight(w)
+    if prepared.repacked is None:
+        assert not ggml.ggml_cpu_has_avx2() or w.shape[0] % 8, f"ggml should repack {w.qtype.name} with AVX2"
+        pytest.skip(f"ggml does not repack {w.qtype.name} on this CPU")
+    return prepared
+
+
+@pytest.mark.parametrize("qtype", REPACKED_X86, ids=lambda q: q.name)
+def test_repacked_matmul_matches_plain_product(kernels: CPUKernels, qtype: Q) -> None:
+    """ggml's interleaved gemm/gemv kernels on the repacked copy: the plain product up to float32 rounding
+    (the same activation quantization, added in another order), for 1 row (gemv), 4 and 8 (gemm) and
+    ragged counts (gemm, then gemv for the rest)."""
+    rng = np.random.default_rng(200 + int(qtype))
+    n, k = 64, 512
+    w = GGMLWeight(random_weight_bytes(qtype, (n, k), rng), qtype, (n, k))
+    prepared = repacked_or_skip(w)
+    assert prepared.tiled is None and prepared.repacked.nbytes == w.data.nbytes
+    wd = dequant(w)
+    torch.manual_seed(int(qtype))
+    for t in (1, 3, 4, 8, 13):
+        x = torch.randn(t, k)
+        y = kernels.matmul(x, prepared)
+        assert rel_err(y, kernels.matmul(x, w).double()) < 1e-6, (qtype.name, t)
+        check(y, x.double() @ wd.T, activation_as_ggml_sees_it(x, qtype) @ wd.T, qtype)
+
+
+def test_ggml_decides_what_is_repacked() -> None:
+    rng = np.random.default_rng(11)
+    ragged = GGMLWeight(random_weight_bytes(Q.Q4_K, (60, 256), rng), Q.Q4_K, (60, 256))
+    assert prepare_cpu_weight(ragged).repacked is None  # rows not a multiple of 8
+    q8 = GGMLWeight(random_weight_bytes(Q.Q8_0, (64, 256), rng), Q.Q8_0, (64, 256))
+    assert prepare_cpu_weight(q8) is q8  # no x86 repacking for Q8_0, no tiled kernel
+    experts = GGMLWeight(random_weight_bytes(Q.Q4_K, (2, 64, 256), rng), Q.Q4_K, (2, 64, 256))
+    assert prepare_cpu_weight(experts) is experts  # mul_mat_id weights stay in the memory map
+
+
+def test_graph_cache_keeps_repacked_and_plain_apart(kernels: CPUKernels) -> None:
+    rng = np.random.default_rng(12)
+    w = GGMLWeight(random_weight_bytes(Q.Q4_K, (32, 512), rng), Q.Q4_K, (32, 512))
+    prepared = repacked_or_skip(w)
+    other = repacked_or_skip(GGMLWeight(random_weight_bytes(Q.Q4_K, (32, 512), rng), Q.Q4_K, (32, 512)))
+    x = torch.randn(5, 512)
+    first = {name: kernels.matmul(x, v) for name, v in (("plain", w), ("repacked", prepared), ("other", other))}
+    for _ in range(2):  # alternating calls on the same shapes: each weight keeps its own result, bit for bit
+        for name, v in (("repacked", prepared), ("plain", w), ("other", other)):
+            assert torch.equal(kernels.matmul(x, v), first[name]), name
+    assert not torch.equal(first["plain"], first["repacked"])  # the repacked kernels did run
+    keys = [key for key in kernels._graphs if key[:5] == (0, int(Q.Q4_K), 32, 512, 5)]
+    assert sorted(key[5] for key in keys) == [False, True]
+
+
+def test_repacked_copy_lives_and_dies_with_its_weight(kernels: CPUKernels) -> None:
+    rng = np.random.default_rng(13)
+    prepared = repacked_or_skip(GGMLWeight(random_weight_bytes(Q.Q4_0, (16, 64), rng), Q.Q4_0, (16, 64)))
+    copy = weakref.ref(prepared.repacked)
+    linear = GGMLLinear(prepared, kernels)
+    del prepared
+    gc.collect()
+    assert copy() is not None
+    assert linear(torch.randn(2, 64)).shape == (2, 16)
+    del linear
+    gc.collect()
+    assert copy() is None  # its finalizer freed the buffer and the context
+
+
+def _loader(info: TensorInfo, compute_device: str) -> WeightLoader:
+    plan = SimpleNamespace(device_of=lambda name: "cpu", compute_device=compute_device, staging_bytes=0)
+    return WeightLoader(SimpleNamespace(tensors={info.name: info}), plan, CPUKernels(1))  # type: ignore[arg-type]
+
+
+def test_loader_prepares_the_matrices_of_cpu_models_only() -> None:
+    """A CPU model's matrices are held as llama.cpp's CPU backend holds them; a GPU model's CPU matrices
+    (host linears) stay plain."""
+    rng = np.random.default_rng(14)
+    info = TensorInfo("blk.0.attn_output.weight", Q.Q4_K, (64, 256), random_weight_bytes(Q.Q4_K, (64, 256), rng), 0)
+    on_cpu = _loader(info, "cpu").linear(info.name)
+    assert isinstance(on_cpu, GGMLLinear)
+    if ggml.ggml_cpu_has_avx2():
+        assert on_cpu.weight.repacked is not None
+    host = _loader(info, "cuda:0").linear(info.name)
+    assert host.inner.weight.repacked is None and host.inner.weight.tiled is None  # type: ignore[attr-defined]
+
+
+def q6_k_weight(shape: tuple[int, int], seed: int) -> GGMLWeight:
+    from qblocks import random_blocks
+
+    raw = random_blocks(Q.Q6_K, shape, np.random.default_rng(seed)).reshape(-1).copy()
+    return GGMLWeight(raw, Q.Q6_K, shape)
+
+
+def test_q6_k_unpacking_matches_gguf() -> None:
+    w = q6_k_weight((24, 512), 15)
+    codes, scales, d = gtiled._unpack_q6_k(torch.from_numpy(w.data).view(24, 2, 210))
+    assert codes.shape == (2, 24, 256) and int(codes.min()) >= -32 and int(codes.max()) <= 31
+    # gguf's dequantization: (d * scale) * (q - 32) in float32
+    ours = (d[..., None] * scales.float()).repeat_interleave(16, -1) * codes.float()
+    assert torch.equal(ours.transpose(0, 1).reshape(24, 512), dequant(w).float())
+
+
+def test_quantize_q8_k_is_ggmls() -> None:
+    torch.manual_seed(16)
+    x = torch.randn(6, 1024) * torch.rand(6, 1) * 10
+    x[0, :256] = 0  # an all-zero block: codes 0, d 0
+    x[1, 3] = x[1, 7] = -x[1].abs().max() * 2  # equal magnitudes: the first one sets the sign
+    x[1, 5] = -x[1, 3]
+    codes, d = quantize_q8_k(x)
+    assert torch.equal(codes.reshape(6, 1024) * d.repeat_interleave(256, -1),
+                       torch.from_numpy(_q8_k_roundtrip(x.numpy())).reshape(6, 1024))  # fmt: skip
+    assert float(d[0, 0]) == 0 and int(codes[1, 0, 3]) == -127 and int(codes[1, 0, 5]) == 127
+
+
+def fma32_reference(a: float, b: float, c: float) -> np.float32:
+    """a * b + c rounded once to float32 (nearest, ties to even), with exact rational arithmetic."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = np.float32(float(exact))
+    candidates = [near, np.nextafter(near, np.float32(np.inf)), np.nextafter(near, np.float32(-np.inf))]
+    return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array(v).view(np.int32)) & 1))
+
+
+def test_fma32_rounds_once() -> None:
+    """On sums whose float64 rounding lands halfway between two float32 values (where rounding twice
+    goes wrong), on random ones, and on float32-subnormal ones."""
+    torch.manual_seed(17)
+    n = 400
+    c = torch.randn(n)
+    ulp = (torch.nextafter(c.abs(), torch.full_like(c, torch.inf)) - c.abs()).double()
+    sign = torch.where(torch.rand(n) < 0.5, -1.0, 1.0).double()
+    a = torch.cat([(ulp / 2 * (1 + 2.0**-23) * sign).float(), torch.randn(n), torch.randn(n) * 1e-20])
+    b = torch.cat([(1 + sign * 2.0**-23).float(), torch.randn(n), torch.randn(n)])
+    c = torch.cat([c, torch.randn(n), torch.randn(n) * 1e-38])
+    ours = fma32(a, b, c)
+    ref = [fma32_reference(float(x), float(y), float(z)) for x, y, z in zip(a, b, c, strict=True)]
+    assert [np.float32(v) for v in ours.tolist()] == ref
+    twice = (a.double() * b.double() + c.double()).float()
+    assert sum(np.float32(v) != r for v, r in zip(twice.tolist(), ref, strict=True)) > n // 10  # the test bites
+
+
+def tiled_reference(x: torch.Tensor, w: GGMLWeight, arithmetic: str) -> np.ndarray:
+    """The tiled kernel's Q6_K arithmetic, step by step: exact integer block sums (int64), float(sum) * d_w
+    in float32, then acc = fma(that, d_x, acc) block after block (or a float32 multiply and add)."""
+    n, k = w.shape
+    nb = k // 256
+    blocks = w.data.reshape(n, nb, 210)
+    unit = blocks.copy()  # the same blocks with d = 1 and every scale 1: dequantizing gives q - 32
+    unit[:, :, 192:208] = 1
+    unit[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    q = dequantize(unit.reshape(-1), Q.Q6_K).reshape(n, nb, 16, 16).astype(np.int64)
+    scales = blocks[:, :, 192:208].copy().view(np.int8).astype(np.int64)
+    d_w = blocks[:, :, 208:210].copy().view(np.float16).astype(np.float32)[..., 0]
+    weights = (q * scales[..., None]).reshape(n, nb, 256)
+    xb = x.numpy().reshape(x.shape[0], nb, 256)
+    peak = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)
+    iscale = np.float32(-127) / peak
+    codes = np.minimum(127, np.rint(iscale * xb)).astype(np.int64)
+    d_x = (np.float32(1) / iscale)[..., 0]
+    sums = np.einsum("tbe,nbe->tnb", codes, weights)
+    out = np.zeros((x.shape[0], n), dtype=np.float32)
+    for t in range(x.shape[0]):
+        for j in range(n):
+            acc = np.float32(0)
+            for b in range(nb):
+                r = np.float32(np.float32(sums[t, j, b]) * d_w[j, b])
+                if arithmetic == "fma":
+                    acc = fma32_reference(float(r), float(d_x[t, b]), float(acc))
+                else:
+                    acc = np.float32(acc + np.float32(r * d_x[t, b]))
+            out[t, j] = acc
+    return out
+
+
+@pytest.mark.parametrize("arithmetic", ["fma", "mul_add"])
+def test_tiled_q6_k_product_is_the_kernels_arithmetic(arithmetic: str) -> None:
+    """Bit for bit the step-by-step reference, and within the Q8_K activation rounding of the float64
+    product (the kernel's only approximation)."""
+    w = q6_k_weight((16, 768), 18)
+    tiled = TiledQ6K(w.data, w.shape, arithmetic)
+    torch.manual_seed(19)
+    for t in (8, 11):
+        x = torch.randn(t, 768)
+        y = tiled.matmul(x)
+        assert np.array_equal(y.numpy(), tiled_reference(x, w, arithmetic)), t
+        check(y, x.double() @ dequant(w).T, activation_as_ggml_sees_it(x, Q.Q6_K) @ dequant(w).T, Q.Q6_K)
+
+
+def test_tiled_q6_k_chunked_and_uncached_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = q6_k_weight((40, 1024), 20)
+    x = torch.randn(9, 1024)
+    cached = TiledQ6K(w.data, w.shape)
+    y = cached.matmul(x)
+    assert cached._parts is not None
+    monkeypatch.setattr(gtiled, "CACHE_MAX_BYTES", 3000)  # rows unpacked per call, 2 at a time
+    monkeypatch.setattr(gtiled, "CHUNK_BYTES", 20000)  # and one block per step
+    uncached = TiledQ6K(w.data, w.shape)
+    assert torch.equal(uncached.matmul(x), y)
+    assert uncached._parts is None
+
+
+@pytest.mark.skipif(TILED_ARITHMETIC is None, reason="llama.cpp's build on this CPU has no tiled kernel")
+def test_tiled_product_from_8_rows_on_prepared_q6_k(kernels: CPUKernels) -> None:
+    """A prepared Q6_K weight: ggml's plain product below 8 rows, the tiled kernel's from 8; both within
+    float32 rounding of each other."""
+    w = q6_k_weight((32, 512), 21)
+    prepared = prepare_cpu_weight(w)
+    assert prepared.tiled is not None and prepared.repacked is None
+    torch.manual_seed(22)
+    for t in (1, 7, 8, 30):
+        x = torch.randn(t, 512)
+        y = kernels.matmul(x, prepared)
+        plain = kernels.matmul(x, w)
+        if t < 8:
+            assert torch.equal(y, plain)
+        else:
+            assert torch.equal(y, prepared.tiled.matmul(x))
+            assert rel_err(y, plain.double()) < 1e-6
+    out = torch.empty(8, 32)
+    assert kernels.matmul(torch.randn(8, 512), prepared, out=out) is out
+
+
+LLAMACPP_CPU = Path.home() / ".cache" / "tandem" / "peers" / "llama_cpp_cpu"
+
+
+@pytest.mark.skipif(
+    not (LLAMACPP_CPU / "llama_cpp" / "lib" / "libggml-cpu.so").exists(),
+    reason="no llama.cpp CPU build to compare with (scripts/build_llamacpp.sh)",
+)
+def test_products_are_llamacpps_bit_for_bit(tmp_path: Path) -> None:
+    """Against llama.cpp's own ggml on this machine (scripts/llamacpp_cpu_matmul.py): tandem repacks what
+    llama.cpp repacks, and its repacked, tiled Q6_K and plain products give llama.cpp's bits."""
+    report = tmp_path / "cases.json"
+    script = Path(__file__).parent.parent / "scripts" / "llamacpp_cpu_matmul.py"
+    run = subprocess.run([sys.executable, str(script), "--lib", str(LLAMACPP_CPU), "--json", str(report)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    cases = json.loads(report.read_text())
+    same = [case for case in cases if case["differing"] == 0]
+    assert all(case["repacked"] == case["llamacpp_repacked"] for case in cases)
+    if TILED_ARITHMETIC is not None:
+        assert sum(case["tiled"] for case in same) >= 8
+    if ggml.ggml_cpu_has_avx2():
+        assert sum(case["repacked"] for case in same) >= 15
