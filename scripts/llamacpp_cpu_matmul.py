@@ -188,8 +188,8 @@ def main() -> int:
     from gguf import GGMLQuantizationType as Q
 
     from tandem.quant.ggml_cpu import CPUKernels
-    from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight
     from tandem.quant.ggml_tiled import TILED_ARITHMETIC, TILED_MIN_ROWS
+    from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight
 
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
