@@ -25,7 +25,7 @@ from tandem.runtime.offload import HOST_FLAGS_ENV
 
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
-    "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step replayed without HostFlags
+    "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step in segments, without HostFlags
     "cpu-moe-repacked": {"cpu_moe": True, "repack_experts": True},  # Q4_K experts from repacked copies
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
@@ -89,14 +89,14 @@ def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
 
 
 def _step_breakdown(llm: tandem.LLM, n: int) -> str:
-    """Where the host's time goes in n replays of the captured decode step, per token: launching the graph
-    segments (CPU time of `CUDAGraph.replay`) and the host steps between them (waiting for the segment's
-    copies, then ggml, see _host_share). Unless the replay is pipelined (each segment launched before the
-    host step it waits for), also the GPU time of the segments (CUDA events around each)."""
+    """Where the host's time goes in n replays of the captured decode step, per token: launching the graphs
+    (CPU time of `CUDAGraph.replay`) and the host steps (waiting for the GPU's hand-over, then ggml, see
+    _host_share). With a step in segments replayed in order, also the GPU time of the segments (CUDA
+    events around each; a one-graph step waits on the host inside its graph, so its GPU time is the step)."""
     graph = getattr(llm.engine._decode_graph, "graph", None)
     if graph is None:
         return "(no captured decode step)"
-    steps = list(graph.steps)
+    steps, host_steps = list(graph.steps), list(graph.host_steps)
     launch = [0.0]
     host = [0.0]
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -127,17 +127,19 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
         return isinstance(getattr(step, "__self__", None), torch.cuda.CUDAGraph)
 
     n_graphs = sum(is_graph(s) for s in steps)
+    n_host = len(steps) - n_graphs + len(host_steps)
     graph.steps = [timed_graph(s) if is_graph(s) else timed_host(s) for s in steps]
+    graph.host_steps = [timed_host(s) for s in host_steps]
     try:
         step_ms = 1e3 / _decode(llm, n)
     finally:
-        graph.steps = steps
+        graph.steps, graph.host_steps = steps, host_steps
     _sync()
     per = n + 2  # _decode replays 2 untimed steps before the n timed ones
     line = (
-        f"decode step {step_ms:.2f} ms ({'pipelined' if graph.pipelined else 'in order'}): {n_graphs} graph "
-        f"segments and {len(steps) - n_graphs} host steps per token; launching the segments "
-        f"{launch[0] / per * 1e3:.2f} ms (CPU), host steps (wait for the GPU + ggml) {host[0] / per * 1e3:.2f} ms"
+        f"decode step {step_ms:.2f} ms ({'one graph, flags' if graph.pipelined else 'segments in order'}): "
+        f"{n_graphs} graph(s) and {n_host} host steps per token; launching {launch[0] / per * 1e3:.2f} ms (CPU), "
+        f"host steps (wait for the GPU + ggml) {host[0] / per * 1e3:.2f} ms"
     )
     if events:
         line += f", the segments on the GPU {sum(b.elapsed_time(e) for b, e in events) / per:.2f} ms"

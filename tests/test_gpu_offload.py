@@ -98,8 +98,8 @@ def test_host_call_without_overlap_is_exact_in_graph() -> None:
 
 
 def test_pipelined_replay_survives_a_failing_host_step() -> None:
-    """The graph after a host step is launched before it and waits on the device for its flag: a host step
-    that fails must still release it (else the stream waits for ever), and the next replay is exact."""
+    """The step is one graph that waits on the device for each host step's flag: a host step that fails must
+    still release it and the ones after it (else the stream waits for ever), and the next replay is exact."""
     import threading
 
     from tandem.cuda.graphs import SegmentedGraph

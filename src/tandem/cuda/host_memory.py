@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 import weakref
 
 import torch
@@ -85,18 +86,25 @@ _WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 
 
 class HostFlag:
-    """A page-locked int32 that the host sets and a stream waits for on the device (the driver's stream
-    memory operations, cuStreamWaitValue32 / cuStreamWriteValue32, which CUDA graphs capture as nodes).
+    """A page-locked int32 set by one side and waited for by the other: the host sets it and a stream waits for
+    it on the device, or a stream sets it and the host spins on it (the driver's stream memory operations,
+    cuStreamWaitValue32 / cuStreamWriteValue32, which CUDA graphs capture as nodes).
 
-    It lets the graph segment after a host step be launched before the host step runs: the segment's first
-    node waits for the flag, so the GPU starts it about a microsecond after the host sets it, instead of
-    after a launch from Python once the host step is done (see cuda/graphs.py SegmentedGraph.replay).
+    With a pair of them per host op, the whole decode step is ONE captured graph: the graph sets the op's
+    to-host flag once its inputs are in host memory and waits for its to-device flag before copying the result
+    back; the host spins on the first, computes, sets the second (cuda/graphs.py SegmentedGraph).
     """
 
     def __init__(self) -> None:
         self.tensor = pinned_empty((1,), torch.int32).zero_()
-        self._value = self.tensor.numpy()  # stores from Python go straight to the page-locked word
+        self._value = self.tensor.numpy()  # loads and stores from Python go straight to the page-locked word
         self._lib = _memops()
+
+    def enqueue_set(self, stream: torch.cuda.Stream) -> None:
+        """On `stream`: set the flag, after the stream's earlier work (its copies to host memory included:
+        the driver fences them first)."""
+        handle, ptr = ctypes.c_void_p(stream.cuda_stream), self.tensor.data_ptr()
+        _check(self._lib, self._lib.write_value(handle, ptr, 1, 0), "cuStreamWriteValue32")
 
     def enqueue_wait_and_clear(self, stream: torch.cuda.Stream) -> None:
         """On `stream`: wait until the flag is set, then clear it (for the next replay)."""
@@ -104,10 +112,30 @@ class HostFlag:
         _check(self._lib, self._lib.wait_value(handle, ptr, 1, _WAIT_VALUE_EQ), "cuStreamWaitValue32")
         _check(self._lib, self._lib.write_value(handle, ptr, 0, 0), "cuStreamWriteValue32")
 
+    def wait_and_clear(self, timeout_s: float) -> None:
+        """On the host: spin until the device set the flag, then clear it. A GPU that does not get there in
+        `timeout_s` (a fault, a hang) is an error rather than a hang."""
+        value = self._value
+        if value[0]:
+            value[0] = 0
+            return
+        deadline = time.monotonic() + timeout_s
+        while not value[0]:
+            for _ in range(1000):
+                if value[0]:
+                    break
+            else:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the GPU did not reach a host op in {timeout_s:.0f} s")
+        value[0] = 0
+
     def set(self) -> None:
         """Release the stream waiting for this flag. The host's earlier stores (the host op's output) are
         visible to the device before this one: x86 keeps stores in order."""
         self._value[0] = 1
+
+    def clear(self) -> None:
+        self._value[0] = 0
 
 
 class _MemOps:
@@ -144,9 +172,7 @@ def host_flags_work(device_index: int) -> bool:
     try:
         flag = HostFlag()
         stream = torch.cuda.Stream(device_index)
-        ops = flag._lib
-        handle, ptr = ctypes.c_void_p(stream.cuda_stream), flag.tensor.data_ptr()
-        _check(ops, ops.write_value(handle, ptr, 1, 0), "cuStreamWriteValue32")
+        flag.enqueue_set(stream)
         flag.enqueue_wait_and_clear(stream)
         stream.synchronize()
         return int(flag.tensor[0]) == 0

@@ -30,17 +30,18 @@ if TYPE_CHECKING:
 HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
 
 
-# Set to 0 to replay the captured step in order, without HostFlags (for measuring what the pipelining gains).
+# Set to 0 to capture the decode step in segments replayed in order, without HostFlags (for measuring).
 HOST_FLAGS_ENV = "TANDEM_HOST_FLAGS"
+HOST_WAIT_S = 60.0  # a replayed host op waiting longer than this for the GPU raises instead of hanging
 
 
-def _new_flag(device: torch.device) -> HostFlag | None:
+def _new_flags(device: torch.device) -> tuple[HostFlag, HostFlag] | None:
     from tandem.cuda.host_memory import HostFlag, host_flags_work
 
     if os.environ.get(HOST_FLAGS_ENV, "1") == "0":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return HostFlag() if host_flags_work(index) else None
+    return (HostFlag(), HostFlag()) if host_flags_work(index) else None
 
 
 class ExpertSource(Protocol):
@@ -54,12 +55,12 @@ class ExpertSource(Protocol):
 class HostCall:
     """A host function called from a GPU model: inputs to page-locked buffers, the function, the result back.
 
-    A boundary of the captured decode step (cuda/graphs.py): while `segments` is set, the graph captured
-    so far ends where the host part must run, and the replay runs it there; the copies in and out and the
-    event the host part waits for are captured in the graphs. Where the driver allows, the graph after the
-    host part starts by waiting on the device for this op's HostFlag, which the host part sets when its
-    result is in place: the replay then launches that graph before the host part runs. Eager calls run
-    the same code with the same buffers.
+    A boundary of the captured decode step (cuda/graphs.py). Where the driver allows, the step stays ONE
+    graph: it sets this op's to-host HostFlag once the inputs are in host memory and waits on the device for
+    its to-device flag before copying the result back; the replay runs the host part in between (spin on the
+    first flag, compute, set the second). Elsewhere the graph captured so far ends where the host part must
+    run, and the replay runs graphs and host parts in order, the host part waiting for an event recorded in
+    the graph before it. Eager calls run the same code with the same buffers.
     """
 
     def __init__(
@@ -75,7 +76,7 @@ class HostCall:
         self.segments: SegmentedGraph | None = None
         self._buffers: list[torch.Tensor] = []  # page-locked, kept for the life of the op (graphs copy into them)
         self._bound: dict[int, Callable[[], None] | None] = {}  # per row count
-        self._flag: HostFlag | None = None  # made at the first eager call, where the driver supports it
+        self._flags: tuple[HostFlag, HostFlag] | None = None  # (to host, to device), made at the first eager call
 
     def __call__(
         self, inputs: Sequence[torch.Tensor], out_shape: Sequence[int], out_dtype: torch.dtype
@@ -104,13 +105,26 @@ class HostCall:
         if rows not in self._bound:  # the buffers' addresses never change: prepare once per row count
             self._bound[rows] = self.bind(host_in, out_host) if self.bind is not None else None
         bound = self._bound[rows]
-        if self.segments is None and self._flag is None:
-            self._flag = _new_flag(device)
-        # While capturing, the event is a node of the graph (external: the host waits for it after a replay).
-        ready = torch.cuda.Event(external=self.segments is not None)
+        if self.segments is None and self._flags is None:
+            self._flags = _new_flags(device)
+        segments = self.segments
+        flags = self._flags if segments is not None else None  # None: eager, or a capture split in segments
+        # Split captures: an event recorded in the graph (external: the host waits for it after a replay).
+        ready = torch.cuda.Event(external=segments is not None) if flags is None else None
+
+        def inputs_ready() -> None:
+            if flags is not None:
+                flags[0].enqueue_set(torch.cuda.current_stream())
+            else:
+                assert ready is not None
+                ready.record()
 
         def run() -> None:
-            ready.synchronize()
+            if flags is not None:
+                flags[0].wait_and_clear(HOST_WAIT_S)
+            else:
+                assert ready is not None
+                ready.synchronize()
             if bound is not None:
                 bound()
             else:
@@ -118,15 +132,17 @@ class HostCall:
 
         def finish() -> torch.Tensor:
             if not overlap:
-                ready.record()
-            if self.segments is None:
+                inputs_ready()
+            if segments is None:
                 run()
+            elif flags is not None:
+                segments.add_host_step(run, *flags)
             else:
-                self.segments.split(run, self._flag)
+                segments.split(run)
             return out_host.to(device, non_blocking=True).view(out_shape).to(out_dtype)
 
         if overlap:
-            ready.record()
+            inputs_ready()
         return finish
 
     def _buffer(self, i: int, width: int, dtype: torch.dtype) -> torch.Tensor:
