@@ -34,12 +34,13 @@
 #   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
-#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log)
+#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log; or a list of test
+#     files, e.g. GPU_TESTS="tests/test_gpu_offload.py", to run those only)
 #   PREWARM=1 (default; 0: off) per preset, a 6-layer copy (`synth --layers 6`) run once untimed (`tandem bench
-#     --matrix n-cpu-moe=half --tg 4 --reps 1`), all presets side by side right after ggml-python is built:
+#     --matrix n-cpu-moe=half --tg 4 --reps 1`), the presets one after the other once the first model is made:
 #     Triton's compiles and autotuning are per kernel and shape, so the cache then serves the full models
-#     (not with MODEL_FILES). Measured 11:46 with full-size prewarm runs one after the other: 255 s for three
-#     models, which left the benches 50 s each.
+#     (not with MODEL_FILES). Full-size prewarms took 255 s for three models at 11:46; side by side, the
+#     6-layer ones tuned under load (see the comment at PREWARM below).
 #   LLAMA_JOBS=16 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
 #   LLAMA_CMAKE_EXTRA (default -DGGML_CUDA_FA=OFF: skip the FlashAttention kernels, ~80 of the CUDA files; the
@@ -52,7 +53,8 @@
 #     and import on this machine, else llama.cpp is built as usual
 #   BENCH_FLAGS="--repack-experts" (more flags for `tandem bench`: tandem's own options, e.g. its repacked CPU
 #     experts; the report's command line shows them)
-#   TRACE=1 (while the build runs: the GPU kernels of one decode step, in order, to $OUT/trace.txt)
+#   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
+#     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
 t0=$(date +%s)
@@ -71,6 +73,7 @@ REPS="${REPS:-3}"
 THREADS="${THREADS:-16}"
 DEVICE="${DEVICE:-cuda}"
 DEADLINE_S="${DEADLINE_S:-570}"
+PROFILE_PLACEMENTS="${PROFILE_PLACEMENTS:-cpu-moe,all}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
@@ -139,30 +142,6 @@ read -r -a models <<<"$MODELS"
 read -r -a files <<<"${MODEL_FILES:-}"
 building() { [[ -n "$llama_pid" ]] && kill -0 "$llama_pid" 2>/dev/null; }
 
-# Prewarm (untimed, while llama.cpp builds): Triton compiles and autotunes per kernel and shape, not per layer,
-# so a copy of each preset with one layer of each kind fills the cache for the whole model: 6 layers hold
-# Gemma 4's global layer (every 6th; with 2 layers its head-512 kernels were tuned in the timed warm-up,
-# 16.8 s at 12:40) and Qwen3.5/3.6's full-attention layer (every 4th). One process per model with half the
-# layers' experts on the CPU runs both the GPU-expert and the CPU-expert (streamed prefill) kernels; the
-# models run side by side, beside the full synths.
-prewarm_pids=()
-if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu && ${#files[@]} -eq 0 ]]; then
-  for m in "${models[@]%%:*}"; do
-    (
-      small="$MODEL_DIR/prewarm-$m.gguf"
-      "$PY" -m tandem.cli.main synth --like "$m" -o "$small" --layers 6 --overwrite >/tmp/prewarm_"$m".log 2>&1 &&
-        "$PY" -m tandem.cli.main bench -m "$small" --device "$DEVICE" -t 4 --matrix n-cpu-moe=half \
-          --pp "${PP%%,*}" --tg 4 --reps 1 >>/tmp/prewarm_"$m".log 2>&1
-      rc=$?
-      rm -f "$small"
-      say "prewarm $m: exit $rc (untimed: fills Triton's cache)"
-      (( rc == 0 )) || tail -5 /tmp/prewarm_"$m".log
-    ) &
-    prewarm_pids+=($!)
-  done
-  say "prewarm: ${#prewarm_pids[@]} models (6 layers each) side by side"
-fi
-
 early=()  # models made while llama.cpp builds: the first always, the others while the folder has room
 if [[ ${#files[@]} -eq 0 ]]; then
   for m in "${models[@]%%:*}"; do
@@ -172,22 +151,50 @@ if [[ ${#files[@]} -eq 0 ]]; then
     synth "$m" >/dev/null && { say "synth $m: $(du -h "$MODEL_DIR/$m.gguf" | cut -f1)"; early+=("$MODEL_DIR/$m.gguf"); }
   done
 fi
-for pid in "${prewarm_pids[@]}"; do wait "$pid"; done
-(( ${#prewarm_pids[@]} > 0 )) && say "prewarm done"
+# Prewarm (untimed): Triton compiles and autotunes per kernel and shape, not per layer, so a copy of each
+# preset with one layer of each kind fills the cache for the whole model: 6 layers hold Gemma 4's global layer
+# (every 6th; with 2 layers its head-512 kernels were tuned in the timed warm-up, 16.8 s at 12:40) and
+# Qwen3.5/3.6's full-attention layer (every 4th). One process per model with half the layers' experts on the
+# CPU runs both the GPU-expert and the CPU-expert (streamed prefill) kernels. The models run ONE AFTER THE
+# OTHER, after the synths: autotuning times each candidate on the GPU, and a busy CPU (two prewarms side by
+# side, a synth) delays the launches it times, so the cache kept configurations picked under load (tandem's
+# all-GPU pp512 on qwen3-30b-a3b: 6,370 tok/s at 10:52 with tuning in a quiet warm-up, 3,561-3,926 at 12:40
+# and 13:53 with side-by-side prewarms). A llama.cpp build (no carried bundle) still runs beside them.
+prewarm_pid=""
+if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu && ${#files[@]} -eq 0 ]]; then
+  (
+    for m in "${models[@]%%:*}"; do
+      small="$MODEL_DIR/prewarm-$m.gguf"
+      "$PY" -m tandem.cli.main synth --like "$m" -o "$small" --layers 6 --overwrite >/tmp/prewarm_"$m".log 2>&1 &&
+        "$PY" -m tandem.cli.main bench -m "$small" --device "$DEVICE" -t 4 --matrix n-cpu-moe=half \
+          --pp "${PP%%,*}" --tg 4 --reps 1 >>/tmp/prewarm_"$m".log 2>&1
+      rc=$?
+      rm -f "$small"
+      say "prewarm $m: exit $rc (untimed: fills Triton's cache)"
+      (( rc == 0 )) || tail -5 /tmp/prewarm_"$m".log
+    done
+  ) &
+  prewarm_pid=$!
+  say "prewarm: ${#models[@]} models (6 layers each), one after the other"
+fi
+[[ -n "$prewarm_pid" ]] && wait "$prewarm_pid" && say "prewarm done"
 
-if [[ "${GPU_TESTS:-0}" == 1 ]]; then  # the GPU test suite runs while llama.cpp builds (nothing is timed then)
-  say "pytest -m gpu"
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" tests/test_gpu*.py >/tmp/pytest_gpu.log 2>&1
+if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp builds (nothing is timed then)
+  gpu_tests=(tests/test_gpu*.py)
+  [[ "$GPU_TESTS" == 1 ]] || read -r -a gpu_tests <<<"$GPU_TESTS"
+  say "pytest -m gpu ${gpu_tests[*]}"
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" "${gpu_tests[@]}" >/tmp/pytest_gpu.log 2>&1
   say "pytest -m gpu: exit $? ($(grep -E "passed|failed" /tmp/pytest_gpu.log | tail -1))"
   grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
   grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/short test summary/p' /tmp/pytest_gpu.log | tail -80
 fi
 
 if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # untimed: the kernel order only
-  say "kernel trace of one decode step (cpu-moe, all), while the build runs"
-  "$PY" bench/profile_step.py "${early[0]}" -t "$THREADS" --tg 8 --placements cpu-moe,all --trace "$OUT/trace.txt" \
-    >/tmp/trace_profile.log 2>&1 || { say "trace FAILED"; tail -20 /tmp/trace_profile.log; }
+  say "profile and kernel trace of one decode step ($PROFILE_PLACEMENTS), while the build runs"
+  "$PY" bench/profile_step.py "${early[0]}" -t "$THREADS" --tg 8 --placements "$PROFILE_PLACEMENTS" \
+    --trace "$OUT/trace.txt" >/tmp/trace_profile.log 2>&1 || { say "profile FAILED"; tail -20 /tmp/trace_profile.log; }
   grep -E "^==|one decode step" "$OUT/trace.txt" 2>/dev/null
+  grep -E "^== |^[a-z0-9-]+: pp|^   decode step|ggml expert FFN" /tmp/trace_profile.log
 fi
 
 if [[ -n "$llama_pid" ]]; then

@@ -6,8 +6,7 @@
 #                                                  # parts: a device call brings back files of 16 MiB at most)
 #   scripts/llamacpp_bundle.sh unpack PREFIX DIR   # the parts -> DIR; exit 1 unless `import llama_cpp` works there
 #
-# `pip install --target` copies each shared library under its three names (libX.so, .so.0, .so.0.25.3);
-# pack turns identical copies into symbolic links first, which keeps the bundle to one copy of each.
+# pack turns identical files into symbolic links first, which keeps the bundle to one copy of each library.
 # The build only runs where it was made (same device image: CUDA, driver, Python): unpack checks the import.
 set -euo pipefail
 
@@ -19,15 +18,14 @@ case "$1" in
   pack)
     dir=$2 prefix=$3
     [[ -d "$dir" ]] || { echo "no directory $dir" >&2; exit 1; }
-    # Identical copies of a library become links to the longest name (the real file, libX.so.0.25.3).
-    while IFS= read -r real; do
-      base=${real%%.so*}.so
-      for alias in "$base" "$base".[0-9]; do
-        if [[ -f "$alias" && ! -L "$alias" && "$alias" != "$real" ]] && cmp -s "$alias" "$real"; then
-          ln -sf "$(basename "$real")" "$alias"
-        fi
-      done
-    done < <(find "$dir" -type f -name '*.so.[0-9]*.[0-9]*')
+    # Identical copies become relative links to one of them: pip copies each library under its three names,
+    # and the CMake install puts a second copy of every library in lib/ beside llama_cpp/lib/ (48 MB each for
+    # libggml-cuda: without this the bundle is 55 MB, over what a call can carry with the wheels).
+    declare -A first=()
+    while IFS= read -r -d '' f; do
+      sum=$(sha1sum "$f" | cut -d' ' -f1)
+      if [[ -n "${first[$sum]:-}" ]]; then ln -sfr "${first[$sum]}" "$f"; else first[$sum]=$f; fi
+    done < <(find "$dir" -type f -size +64k -print0 | sort -rz)  # llama_cpp/lib keeps the real files
     mkdir -p "$(dirname "$prefix")"
     rm -f "$prefix"[0-9][0-9]
     tar -C "$dir" -cf - . | xz -T0 -6 | split -b 15M -d - "$prefix"

@@ -97,12 +97,16 @@ def test_host_call_without_overlap_is_exact_in_graph() -> None:
     assert ref.shape == (1, 1)
 
 
-def test_pipelined_replay_survives_a_failing_host_step() -> None:
+@pytest.mark.parametrize("host_thread", ["1", "0"], ids=["host-thread", "caller-thread"])
+def test_pipelined_replay_survives_a_failing_host_step(host_thread: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step is one graph that waits on the device for each host step's flag: a host step that fails must
-    still release it and the ones after it (else the stream waits for ever), and the next replay is exact."""
+    still release it and the ones after it (else the stream waits for ever), and the next replay is exact,
+    whether the host steps run on their own thread (the default) or on the caller's."""
     import threading
 
-    from tandem.cuda.graphs import SegmentedGraph
+    from tandem.cuda.graphs import HOST_THREAD_ENV, SegmentedGraph
+
+    monkeypatch.setenv(HOST_THREAD_ENV, host_thread)
     from tandem.runtime.offload import HostCall
 
     fail = [False]
