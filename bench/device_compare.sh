@@ -23,7 +23,9 @@
 # 20-40 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
 # Measured (2026-11-30): with the FlashAttention kernels skipped (the default, see LLAMA_CMAKE_EXTRA) the
 # llama.cpp build takes 191 s and one model's six rows 73 s: a whole qwen3-30b-a3b call took 268 s (10:52).
-# Two models with six rows each and a third with four fit one call (~450 s) without GPU_TESTS. The GPU tests
+# Two models with six rows each and a third with four fit one call (~450 s) without GPU_TESTS. With the build
+# carried from an earlier call (SAVE_LLAMA=1, LLAMA_BUNDLE): both default models' full matrix, 3 reps each, in 305 s
+# (13:53; setup 31 s, pre-warm 68 s, ~100 s per model). The GPU tests
 # (122) take ~160 s alone and 284 s beside the build (10:46), and the benches wait for them: with GPU_TESTS=1
 # run one model per call.
 #
@@ -53,6 +55,9 @@
 #     and import on this machine, else llama.cpp is built as usual
 #   BENCH_FLAGS="--repack-experts" (more flags for `tandem bench`: tandem's own options, e.g. its repacked CPU
 #     experts; the report's command line shows them)
+#   GGML_FROM_LLAMA=1 (build ggml-python around the ggml of llama.cpp's tree, 0.25.3, instead of its own 0.15.3:
+#     scripts/build_ggml_python.sh --ggml-from)  GGML_VERSIONS=1 (before the benches: bench/ggml_versions.py, one
+#     token's expert products per model through tandem's ggml and llama.cpp's, same graph and threads)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
@@ -111,8 +116,10 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   get_llama >/tmp/llama_build.log 2>&1 &
   llama_pid=$!
   if ! "$PY" -c "import ggml" 2>/dev/null; then
-    CMAKE_BUILD_PARALLEL_LEVEL=4 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
-      --target "$SITE" .whl/ggml_python-*.tar.gz >/tmp/ggml_build.log 2>&1 || { say "ggml-python build FAILED"; tail -30 /tmp/ggml_build.log; }
+    ggml_from=()
+    [[ "${GGML_FROM_LLAMA:-0}" == 1 ]] && ggml_from=(--ggml-from "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)")
+    JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh "$SITE" "${ggml_from[@]}" >/tmp/ggml_build.log 2>&1 ||
+      { say "ggml-python build FAILED"; tail -30 /tmp/ggml_build.log; }
   fi
   say "ggml-python: $("$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))' 2>&1 | tail -1)"
 else
@@ -204,6 +211,14 @@ if [[ -n "$llama_pid" ]]; then
     bash scripts/llamacpp_bundle.sh pack "$PEER_LIB" "$OUT/$(basename "$LLAMA_BUNDLE")" >/dev/null &&
       say "saved the build: $(du -ch "$OUT/$(basename "$LLAMA_BUNDLE")"[0-9][0-9] | tail -1 | cut -f1) in $OUT"
   fi
+fi
+
+if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # quiet machine: nothing else runs
+  ggml_lib=$("$PY" -c 'import ggml, os; print(os.path.join(os.path.dirname(ggml.__file__), "lib"))')
+  for m in "${models[@]%%:*}"; do
+    "$PY" bench/ggml_versions.py --like "$m" --threads "$THREADS" --lib "$ggml_lib" --lib "$PEER_LIB/llama_cpp/lib" 2>&1 |
+      sed "s|$ggml_lib|tandem's ggml-python|; s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
+  done
 fi
 
 # -- 2. the matrix, model by model --------------------------------------------------------------------------

@@ -7,7 +7,8 @@ SITE=/tmp/site
 mkdir -p "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
 if ! PYTHONPATH="$SITE" python3 -c "import ggml" 2>/dev/null; then
-    CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-        --target "$SITE" .whl/ggml_python-*.tar.gz
+    ggml_from=()  # GGML_FROM_LLAMA=1: around llama.cpp's ggml (scripts/build_ggml_python.sh)
+    [[ "${GGML_FROM_LLAMA:-0}" == 1 ]] && ggml_from=(--ggml-from "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)")
+    bash scripts/build_ggml_python.sh "$SITE" "${ggml_from[@]}" >&2
 fi
 echo "export PYTHONPATH=$SITE:$PWD/src:$PWD/tests"

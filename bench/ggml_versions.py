@@ -1,0 +1,163 @@
+"""One decode token's routed-expert products through two builds of ggml's CPU backend, side by side.
+
+    python bench/ggml_versions.py [--like qwen3-30b-a3b] [--threads 16] [--lib DIR ...] [--reps 200]
+
+tandem computes CPU experts with the ggml that ggml-python vendors (0.0.45: ggml 0.15.3); llama.cpp's
+`--cpu-moe` runs the ggml of its own tree (llama-cpp-python 0.3.36: ggml 0.25.x). This times the same
+graph -- the gate, up and down `ggml_mul_mat_id` products of one token over `top_k` of the preset's experts,
+Q4_K gate/up and a Q6_K down (the Q4_K_M mix's two down types: `--down Q4_K` for the other) -- through each
+library's own C API, one child process per library (two ggml builds cannot share a process), with the same
+weight bytes, the same routes and `ggml_graph_compute_with_ctx` at the same thread count. Weights are random
+blocks with finite scales, in the library's own (mapped-file-like, not repacked) CPU memory.
+
+--lib takes a directory holding libggml-base.so and libggml-cpu.so; the default is ggml-python's and, where
+found, llama-cpp-python's (`$TANDEM_LLAMACPP_LIB` or ~/.cache/tandem/peers/llama_cpp_{cuda,cpu}/llama_cpp/lib).
+Prints one line per library: median and best µs per token over --reps computes, and the GB/s of weight bytes
+read (top_k experts x the three matrices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# (hidden, expert intermediate, experts, top-k): the routed-expert shapes of the synth presets
+PRESETS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3.6-35b-a3b": (2048, 512, 256, 8),
+    "gemma4-26b-a4b": (2816, 704, 128, 8),
+}
+GGML_Q4_K, GGML_Q6_K, GGML_F32, GGML_I32 = 12, 14, 0, 26
+QUANT = {"Q4_K": (GGML_Q4_K, 144, (0, 2)), "Q6_K": (GGML_Q6_K, 210, (208,))}  # type, bytes per 256, f16 fields
+
+
+def _blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a (rows, k) matrix with finite f16 scales (+-0.005..0.015)."""
+    _, size, fields = QUANT[name]
+    b = rng.integers(0, 256, size=(rows * k // 256, size), dtype=np.uint8)
+    for off in fields:
+        scale = rng.uniform(0.5, 1.5, b.shape[0]) * rng.choice([-1.0, 1.0], b.shape[0]) * 0.01
+        b[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return b.reshape(-1)
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def _child(lib_dir: str, spec: dict) -> dict:
+    """In a fresh process: load the library, build the graph, time it."""
+    base = ctypes.CDLL(os.path.join(lib_dir, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(os.path.join(lib_dir, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    base.ggml_init.restype, base.ggml_init.argtypes = vp, [_InitParams]
+    base.ggml_new_tensor_2d.restype, base.ggml_new_tensor_2d.argtypes = vp, [vp, ctypes.c_int, i64, i64]
+    base.ggml_new_tensor_3d.restype, base.ggml_new_tensor_3d.argtypes = vp, [vp, ctypes.c_int, i64, i64, i64]
+    base.ggml_mul_mat_id.restype, base.ggml_mul_mat_id.argtypes = vp, [vp, vp, vp, vp]
+    base.ggml_get_data.restype, base.ggml_get_data.argtypes = vp, [vp]
+    base.ggml_nbytes.restype, base.ggml_nbytes.argtypes = ctypes.c_size_t, [vp]
+    base.ggml_new_graph.restype, base.ggml_new_graph.argtypes = vp, [vp]
+    base.ggml_build_forward_expand.argtypes = [vp, vp]
+    cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
+    cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+    if hasattr(cpu, "ggml_cpu_init"):
+        cpu.ggml_cpu_init()
+
+    hidden, inter, experts, top_k = spec["shape"]
+    rng = np.random.default_rng(0)
+    gate, up = (_blocks("Q4_K", experts * inter, hidden, rng) for _ in range(2))
+    down = _blocks(spec["down"], experts * hidden, inter, rng)
+    ctx = base.ggml_init(_InitParams(gate.nbytes * 2 + down.nbytes + (1 << 30), None, False))  # graph, work buffer
+
+    def tensor3(qtype: int, ne0: int, ne1: int, ne2: int, data: np.ndarray) -> int:
+        t = base.ggml_new_tensor_3d(ctx, qtype, ne0, ne1, ne2)
+        assert base.ggml_nbytes(t) == data.nbytes
+        ctypes.memmove(base.ggml_get_data(t), data.ctypes.data, data.nbytes)
+        return t
+
+    w_gate = tensor3(GGML_Q4_K, hidden, inter, experts, gate)
+    w_up = tensor3(GGML_Q4_K, hidden, inter, experts, up)
+    w_down = tensor3(QUANT[spec["down"]][0], inter, hidden, experts, down)
+    x = tensor3(GGML_F32, hidden, 1, 1, rng.standard_normal(hidden).astype(np.float32))
+    ids = base.ggml_new_tensor_2d(ctx, GGML_I32, top_k, 1)
+    # A fresh route per compute, as in decode (a new layer's experts each time): the same 8 experts again
+    # would be read from the cache.
+    routes = [rng.choice(experts, top_k, replace=False).astype(np.int32) for _ in range(64)]
+
+    def route(i: int) -> None:
+        ctypes.memmove(base.ggml_get_data(ids), routes[i % len(routes)].ctypes.data, 4 * top_k)
+
+    route(0)
+    g = base.ggml_mul_mat_id(ctx, w_gate, x, ids)  # [inter, top_k, 1]
+    u = base.ggml_mul_mat_id(ctx, w_up, x, ids)
+    out = base.ggml_mul_mat_id(ctx, w_down, g, ids)  # g's rows are per slot: each goes to its own expert
+    graph = base.ggml_new_graph(ctx)
+    base.ggml_build_forward_expand(graph, u)
+    base.ggml_build_forward_expand(graph, out)
+    threads = spec["threads"]
+    for i in range(10):
+        route(i)
+        assert cpu.ggml_graph_compute_with_ctx(ctx, graph, threads) == 0
+    times = []
+    for i in range(spec["reps"]):
+        route(i)
+        start = time.perf_counter()
+        cpu.ggml_graph_compute_with_ctx(ctx, graph, threads)
+        times.append(time.perf_counter() - start)
+    weight_bytes = top_k * (2 * gate.nbytes + down.nbytes) // experts
+    median = statistics.median(times)
+    return {"median_us": median * 1e6, "best_us": min(times) * 1e6, "gb_s": weight_bytes / median / 1e9}
+
+
+def _default_libs() -> list[str]:
+    import ggml
+
+    libs = [os.path.join(os.path.dirname(ggml.__file__), "lib")]
+    env = os.environ.get("TANDEM_LLAMACPP_LIB")
+    peers = Path.home() / ".cache" / "tandem" / "peers"
+    for cand in ([Path(env)] if env else []) + [peers / "llama_cpp_cuda", peers / "llama_cpp_cpu"]:
+        if (cand / "llama_cpp" / "lib" / "libggml-cpu.so").exists():
+            libs.append(str(cand / "llama_cpp" / "lib"))
+            break
+    return libs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--like", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    parser.add_argument("--down", default="Q6_K", choices=sorted(QUANT))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--lib", action="append", help="a directory with libggml-base.so and libggml-cpu.so")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        lib_dir, spec = json.loads(args.child)
+        print(json.dumps(_child(lib_dir, spec)))
+        return 0
+    spec = {"shape": PRESETS[args.like], "down": args.down, "threads": args.threads, "reps": args.reps}
+    print(f"{args.like}: one token, top-{spec['shape'][3]} of {spec['shape'][2]} experts, gate/up Q4_K, "
+          f"down {args.down}, {args.threads} threads, {args.reps} computes")  # fmt: skip
+    for lib_dir in args.lib or _default_libs():
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps([lib_dir, spec])], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            print(f"  {lib_dir}: failed: {proc.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"  {lib_dir}: {r['median_us']:.0f} µs median, {r['best_us']:.0f} best, {r['gb_s']:.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
