@@ -106,11 +106,11 @@ def test_gemma4_router_reference() -> None:
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize(("n", "k"), [(128, 2048), (60, 200)])
+@pytest.mark.parametrize(("n", "k"), [(128, 2048), (60, 200), (1, 2048)])
 def test_router_logits(n: int, k: int, m: int, x_dtype: torch.dtype) -> None:
     """The router GEMV (f32 weight [N, K], x read in its own type) against float64: f32 sums of exact products
     stay within 1e-6 of the sum of |products| (N = 60, K = 200: row and column tails; M = 16: several weight rows
-    per program, K in steps)."""
+    per program, K in steps; N = 1: a shared expert's gate, layers/shared_expert.py)."""
     g = torch.Generator().manual_seed(n + k + m)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g).to(x_dtype)
