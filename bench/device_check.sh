@@ -7,6 +7,8 @@
 #   PLACEMENTS=cpu-moe,n-cpu-moe-24,all (also cpu-moe-in-order: without the one-graph replay, cpu-moe-caller-thread:
 #     its host ops on the launching thread, and
 #     cpu-moe-repacked: with --repack-experts, to A/B them)  TESTS="tests/test_gpu.py ..." (default: tests/test_gpu*.py; none: skip)
+#   CPU_TESTS="tests/test_ggml_weights.py tests/test_synth.py" (CPU tests too, on the device's CPU: ggml picks its
+#     kernels by CPU, e.g. the repacked ones)
 #   THREADS=16  PROBE=1 (also bench/probe_host_memory.py: the host-to-GPU copy paths)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,10 @@ if [[ "${TESTS:-}" != none ]]; then
       >"$OUT/pytest_gpu.log" 2>&1
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -40
 fi
+if [[ -n "${CPU_TESTS:-}" ]]; then  # CPU tests on this machine's CPU (its ggml kernels can differ from CI's)
+  python3 -m pytest -q -p no:cacheprovider -rA -o addopts="" -m "not gpu" ${CPU_TESTS} >"$OUT/pytest_cpu.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cpu.log" | tail -20
+fi
 wait "$synth_pid"
 python3 bench/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -12  # alone: a busy CPU delays launches
 for k in "${!models[@]}"; do
@@ -44,4 +50,5 @@ done
 grep -E "^==|^   |Error" "$OUT/profile.txt" | head -60
 echo "== summary"
 [[ -f "$OUT/pytest_gpu.log" ]] && grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1
+[[ -f "$OUT/pytest_cpu.log" ]] && grep -E "passed|failed" "$OUT/pytest_cpu.log" | tail -1
 grep -E "^== model|^[a-z0-9-]+: pp|^   decode step" "$OUT/profile.txt"
