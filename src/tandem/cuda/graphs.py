@@ -9,9 +9,9 @@ When every host op hands over through HostFlags (cuda/host_memory.py), the step 
 op it sets the op's to-host flag and waits on the device for its to-device flag, and the replay launches
 it once and runs the host ops in order while it runs (each spins on its to-host flag, computes, sets its
 to-device flag). No launch per layer (~40-55 µs each, 48 per token on Qwen3-30B-A3B with --cpu-moe, measured
-on an H200 host with the per-layer segments), no event round trip. The host ops run on a thread of their own,
-started before the launch: launching the one graph (~1,000 nodes) takes ~1.2 ms of CPU (H200 host, 13:40),
-which the first host op would otherwise wait out (TANDEM_HOST_THREAD=0 runs them on the caller's thread).
+on an H200 host with the per-layer segments), no event round trip. The host ops run on a thread of their own
+(one per process), started before the launch: launching the one graph (~1,000 nodes) takes ~1.2 ms of CPU
+(H200 host, 13:40), which the first host op would otherwise wait out (TANDEM_HOST_THREAD=0: the caller's thread).
 """
 
 from __future__ import annotations
@@ -66,6 +66,19 @@ class _HostStepThread:
             raise error
 
 
+# One host-op thread per process, made at the first one-graph replay: ggml's OpenMP keeps a team of worker
+# threads per calling thread, so a thread per captured step would leave a team behind with each model.
+_HOST_THREAD: _HostStepThread | None = None
+_HOST_THREAD_LOCK = threading.Lock()
+
+
+def _host_thread() -> _HostStepThread:
+    global _HOST_THREAD
+    if _HOST_THREAD is None:
+        _HOST_THREAD = _HostStepThread()
+    return _HOST_THREAD
+
+
 class HostBoundary(Protocol):
     """A host op of the step (runtime/offload.py HostCall): while `segments` is set, it calls
     `segments.split` where its host part must run instead of running it."""
@@ -84,7 +97,6 @@ class SegmentedGraph:
         self._to_host: list[HostFlag] = []
         self._to_device: list[HostFlag] = []
         self._current: torch.cuda.CUDAGraph | None = None
-        self._thread: _HostStepThread | None = None  # made at the first one-graph replay (unless disabled)
 
     @property
     def pipelined(self) -> bool:
@@ -151,23 +163,23 @@ class SegmentedGraph:
                 step()
             return
         (graph,) = self.steps
-        if self._thread is None and os.environ.get(HOST_THREAD_ENV, "1") != "0":
-            self._thread = _HostStepThread()
-        if self._thread is None:
+        if os.environ.get(HOST_THREAD_ENV, "1") == "0":
             graph()
             self._settle(self._run_host_steps)
             return
-        self._thread.submit(self._run_host_steps)  # it spins on the first to-host flag while the graph launches
-        try:
-            graph()
-        except BaseException:
-            for flag in self._to_host:  # the graph never ran: let the host ops through, then forget it all
-                flag.set()
-            self._settle(self._thread.wait)
-            for flag in self._to_device:
-                flag.clear()
-            raise
-        self._settle(self._thread.wait)
+        with _HOST_THREAD_LOCK:  # one step at a time on the process's host-op thread
+            thread = _host_thread()
+            thread.submit(self._run_host_steps)  # it spins on the first to-host flag while the graph launches
+            try:
+                graph()
+            except BaseException:
+                for flag in self._to_host:  # the graph never ran: let the host ops through, then forget it all
+                    flag.set()
+                self._settle(thread.wait)
+                for flag in self._to_device:
+                    flag.clear()
+                raise
+            self._settle(thread.wait)
 
     def _settle(self, wait: Callable[[], None]) -> None:
         """Wait for the host ops; if one failed (they released the graph from there on), let the graph end and
