@@ -107,12 +107,12 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     def timed_graph(step):  # type: ignore[no-untyped-def]
         def run() -> None:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if not graph.pipelined:
+            if not graph.one_graph:
                 begin.record()
             start = time.perf_counter()
             step()
             launch[0] += time.perf_counter() - start
-            if not graph.pipelined:
+            if not graph.one_graph:
                 end.record()
                 events.append((begin, end))
 
@@ -140,7 +140,7 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     _sync()
     per = n + 2  # _decode replays 2 untimed steps before the n timed ones
     line = (
-        f"decode step {step_ms:.2f} ms ({'one graph, flags' if graph.pipelined else 'segments in order'}): "
+        f"decode step {step_ms:.2f} ms ({'one graph, flags' if graph.one_graph else 'segments in order'}): "
         f"{n_graphs} graph(s) and {n_host} host steps per token; launching {launch[0] / per * 1e3:.2f} ms (CPU), "
         f"host steps (wait for the GPU + ggml) {host[0] / per * 1e3:.2f} ms"
     )

@@ -98,7 +98,7 @@ def test_host_call_without_overlap_is_exact_in_graph() -> None:
 
 
 @pytest.mark.parametrize("host_thread", ["1", "0"], ids=["host-thread", "caller-thread"])
-def test_pipelined_replay_survives_a_failing_host_step(host_thread: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_graph_replay_survives_a_failing_host_step(host_thread: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step is one graph that waits on the device for each host step's flag: a host step that fails must
     still release it and the ones after it (else the stream waits for ever), and the next replay is exact,
     whether the host steps run on their own thread (the default) or on the caller's."""
@@ -125,7 +125,7 @@ def test_pipelined_replay_survives_a_failing_host_step(host_thread: str, monkeyp
     step()  # eager: makes the buffers and the flag
     graph = SegmentedGraph()
     out = graph.capture(step, [host])
-    assert graph.pipelined, "this driver should run the stream memory operations HostFlag uses"
+    assert graph.one_graph, "this driver should run the stream memory operations HostFlag uses"
     fail[0] = True
     with pytest.raises(RuntimeError, match="host step failed"):
         graph.replay()

@@ -99,7 +99,7 @@ class SegmentedGraph:
         self._current: torch.cuda.CUDAGraph | None = None
 
     @property
-    def pipelined(self) -> bool:
+    def one_graph(self) -> bool:
         """Whether the step is one graph with its host steps handing over through flags."""
         return bool(self.host_steps)
 
