@@ -153,6 +153,8 @@ def test_peer_missing_still_reports(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_p
     assert rep["exit_code"] == 1 and rep["finished"]
     md = (out / "report.md").read_text()
     assert "| tandem | `cpu` | ok |" in md and "peer missing" in md and "no GPU" in md
+    if Path("/proc/cpuinfo").exists():  # the CPU's generation and features, which tell machines apart
+        assert rep["machine"]["cpu_id"].count("/") == 2 and "family/model/stepping" in md
     assert "| tandem | `cpu` | ok |" in capsys.readouterr().out
 
 

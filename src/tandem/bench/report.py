@@ -69,19 +69,45 @@ class Row:
         }
 
 
+_CPU_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "amx_int8": "AMX"}
+
+
+def _cpu_details() -> dict[str, Any]:
+    """What tells one machine from another when the model name is generic (a VM's "Intel Xeon Processor"):
+    family/model/stepping (the generation), the L3 size, the NUMA nodes, the vector extensions ggml's kernels
+    pick from, and transparent huge pages. The CPU experts' speed moves with these between device calls."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if not key:
+                break  # the first processor's block is enough
+            info.setdefault(key, value.strip())
+    except OSError:
+        return {"cpu": platform.processor()}
+    flags = set(info.get("flags", "").split())
+    thp = ""
+    try:
+        enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        thp = enabled[enabled.index("[") + 1 : enabled.index("]")]
+    except (OSError, ValueError):
+        pass
+    return {
+        "cpu": info.get("model name", platform.processor()),
+        "cpu_id": "/".join(info.get(k, "?") for k in ("cpu family", "model", "stepping")),
+        "cpu_cache": info.get("cache size"),
+        "cpu_flags": [name for flag, name in _CPU_FLAGS.items() if flag in flags],
+        "numa_nodes": len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or None,
+        "thp": thp or None,
+    }
+
+
 def _machine() -> dict[str, Any]:
     import psutil
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        **_cpu_details(),
         "logical_cpus": os.cpu_count(),
         "physical_cpus": psutil.cpu_count(logical=False),
         "ram_bytes": psutil.virtual_memory().total,
@@ -215,6 +241,23 @@ def _mib(v: int | None) -> str:
     return "—" if v is None else f"{v / MIB:,.0f}"
 
 
+def _cpu_line(machine: dict[str, Any]) -> str:
+    """The CPU details after the logical CPU count, e.g. "; family/model/stepping 6/143/8; L3 107520 KB; 1 NUMA
+    node; AVX2 AVX-512 VNNI AMX; THP madvise"."""
+    parts = []
+    if machine.get("cpu_id"):
+        parts.append(f"family/model/stepping {machine['cpu_id']}")
+    if machine.get("cpu_cache"):
+        parts.append(f"L3 {machine['cpu_cache']}")
+    if nodes := machine.get("numa_nodes"):
+        parts.append(f"{nodes} NUMA node{'s' if nodes > 1 else ''}")
+    if machine.get("cpu_flags"):
+        parts.append(" ".join(machine["cpu_flags"]))
+    if machine.get("thp"):
+        parts.append(f"THP {machine['thp']}")
+    return "".join(f"; {p}" for p in parts)
+
+
 def render_markdown(report: Report) -> str:
     """The table (engine x placement: speeds, memory, load time, ratios), then notes and failures."""
     s = report.settings
@@ -223,7 +266,7 @@ def render_markdown(report: Report) -> str:
         f"# tandem vs llama.cpp: {Path(s.model).name}",
         "",
         f"- {report.created}; `{report.command}`",
-        f"- CPU: {report.machine['cpu']} ({report.machine['logical_cpus']} logical CPUs), "
+        f"- CPU: {report.machine['cpu']} ({report.machine['logical_cpus']} logical CPUs{_cpu_line(report.machine)}), "
         f"GPU: {gpu or 'no GPU'}; threads {s.threads}, n_ctx {s.n_ctx}, n_batch {s.n_batch}, "
         f"KV cache {s.cache_type}",
         f"- pp {', '.join(map(str, s.pp))} / tg {s.tg}, {s.reps} repetitions each (median of those done: the "
