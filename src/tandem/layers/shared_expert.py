@@ -24,21 +24,21 @@ class SharedExpert:
     mlp: GatedMLP
     gate: torch.Tensor  # [D] float32
 
+    def __post_init__(self) -> None:
+        # w . x in f32 -> [T, 1]. On a GPU, as a router's projection (DenseLinear.logits: its one-kernel GEMV at
+        # decode, where cuBLAS took a cast, a split-K GEMV and its reduction, 11-19 µs per layer on an H200);
+        # imported only there, as it needs Triton.
+        if self.gate.is_cuda:
+            from tandem.cuda.weights import DenseLinear
+
+            self._logits = DenseLinear(self.gate.view(1, -1)).logits
+        else:
+            self._logits = lambda x: x.float() @ self.gate.view(-1, 1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.sigmoid(self._gate_logits(x))  # [T]
+        scale = torch.sigmoid(self._logits(x))  # [T, 1]
         out = self.mlp(x)  # [T, D]
-        return out * scale.unsqueeze(-1).to(out.dtype)
-
-    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """w . x [T] in f32. At decode on the GPU, the router's GEMV kernel (one launch, x read as it is): cuBLAS
-        took a cast, a split-K GEMV and its reduction, 11-19 µs per layer on an H200 (Qwen3.6 traces, 12:22, 14:05)."""
-        if x.is_cuda and self.gate.is_cuda:  # Triton is imported only with a GPU
-            from tandem.cuda.routing import router_logits
-            from tandem.cuda.weights import ROUTER_GEMV_MAX_ROWS
-
-            if x.shape[0] <= ROUTER_GEMV_MAX_ROWS:
-                return router_logits(x, self.gate.view(1, -1)).view(-1)
-        return x.float() @ self.gate
+        return out * scale.to(out.dtype)
 
 
 @dataclass
