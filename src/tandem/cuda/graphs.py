@@ -97,6 +97,7 @@ class SegmentedGraph:
         self._to_host: list[HostFlag] = []
         self._to_device: list[HostFlag] = []
         self._current: torch.cuda.CUDAGraph | None = None
+        self._host_thread = os.environ.get(HOST_THREAD_ENV, "1") != "0"  # read once, not at every token
 
     @property
     def one_graph(self) -> bool:
@@ -163,7 +164,7 @@ class SegmentedGraph:
                 step()
             return
         (graph,) = self.steps
-        if os.environ.get(HOST_THREAD_ENV, "1") == "0":
+        if not self._host_thread:
             graph()
             self._settle(self._run_host_steps)
             return
