@@ -36,18 +36,17 @@ PRESETS = {
     "qwen3.6-35b-a3b": (2048, 512, 256, 8),
     "gemma4-26b-a4b": (2816, 704, 128, 8),
 }
-GGML_Q4_K, GGML_Q6_K, GGML_F32, GGML_I32 = 12, 14, 0, 26
-QUANT = {"Q4_K": (GGML_Q4_K, 144, (0, 2)), "Q6_K": (GGML_Q6_K, 210, (208,))}  # type, bytes per 256, f16 fields
+GGML_F32, GGML_I32 = 0, 26
+QUANT = {"Q4_K": 12, "Q6_K": 14}  # ggml type ids
 
 
 def _blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks of a (rows, k) matrix with finite f16 scales (+-0.005..0.015)."""
-    _, size, fields = QUANT[name]
-    b = rng.integers(0, 256, size=(rows * k // 256, size), dtype=np.uint8)
-    for off in fields:
-        scale = rng.uniform(0.5, 1.5, b.shape[0]) * rng.choice([-1.0, 1.0], b.shape[0]) * 0.01
-        b[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return b.reshape(-1)
+    """Random blocks of a (rows, k) matrix with finite scales (the tests' generator, tests/qblocks.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from gguf import GGMLQuantizationType
+    from qblocks import random_blocks
+
+    return random_blocks(GGMLQuantizationType[name], (rows, k), rng).reshape(-1)
 
 
 class _InitParams(ctypes.Structure):
@@ -84,9 +83,9 @@ def _child(lib_dir: str, spec: dict) -> dict:
         ctypes.memmove(base.ggml_get_data(t), data.ctypes.data, data.nbytes)
         return t
 
-    w_gate = tensor3(GGML_Q4_K, hidden, inter, experts, gate)
-    w_up = tensor3(GGML_Q4_K, hidden, inter, experts, up)
-    w_down = tensor3(QUANT[spec["down"]][0], inter, hidden, experts, down)
+    w_gate = tensor3(QUANT["Q4_K"], hidden, inter, experts, gate)
+    w_up = tensor3(QUANT["Q4_K"], hidden, inter, experts, up)
+    w_down = tensor3(QUANT[spec["down"]], inter, hidden, experts, down)
     x = tensor3(GGML_F32, hidden, 1, 1, rng.standard_normal(hidden).astype(np.float32))
     ids = base.ggml_new_tensor_2d(ctx, GGML_I32, top_k, 1)
     # A fresh route per compute, as in decode (a new layer's experts each time): the same 8 experts again
