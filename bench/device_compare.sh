@@ -58,6 +58,10 @@
 #   GGML_FROM_LLAMA=1 (build ggml-python around the ggml of llama.cpp's tree, 0.25.3, instead of its own 0.15.3:
 #     scripts/build_ggml_python.sh --ggml-from)  GGML_VERSIONS=1 (before the benches: bench/ggml_versions.py, one
 #     token's expert products per model through tandem's ggml and llama.cpp's, same graph and threads)
+#   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row once per
+#     variant, in the same call, its table in the log: `ggml25` runs on ggml-python built around llama.cpp's ggml
+#     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
+#     --repack-experts, `tNN` uses NN threads)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
@@ -81,6 +85,7 @@ DEADLINE_S="${DEADLINE_S:-570}"
 PROFILE_PLACEMENTS="${PROFILE_PLACEMENTS:-cpu-moe,all}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
+SITE_GGML25=/tmp/site_ggml25  # AB=ggml25...: ggml-python around llama.cpp's ggml
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
 export LLAMA_CMAKE_EXTRA="${LLAMA_CMAKE_EXTRA--DGGML_CUDA_FA=OFF}"  # read by scripts/build_llamacpp.sh
 LLAMA_BUNDLE="${LLAMA_BUNDLE:-$repo/.peers/llama_cpp_cuda.tar.xz.part-}"  # parts NN of a carried build
@@ -115,6 +120,12 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   fi
   get_llama >/tmp/llama_build.log 2>&1 &
   llama_pid=$!
+  ab_pid=""
+  if [[ "${AB:-}" == *ggml25* ]]; then  # the second ggml-python, for the AB variants, beside the first
+    JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh "$SITE_GGML25" --ggml-from \
+      "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)" >/tmp/ggml25_build.log 2>&1 &
+    ab_pid=$!
+  fi
   if ! "$PY" -c "import ggml" 2>/dev/null; then
     ggml_from=()
     [[ "${GGML_FROM_LLAMA:-0}" == 1 ]] && ggml_from=(--ggml-from "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)")
@@ -122,6 +133,10 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
       { say "ggml-python build FAILED"; tail -30 /tmp/ggml_build.log; }
   fi
   say "ggml-python: $("$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))' 2>&1 | tail -1)"
+  if [[ -n "$ab_pid" ]]; then
+    wait "$ab_pid" && say "ggml-python around ggml 0.25.3: $SITE_GGML25" ||
+      { say "ggml-python (ggml 0.25.3) build FAILED"; tail -30 /tmp/ggml25_build.log; }
+  fi
 else
   export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
   llama_pid=""
@@ -215,9 +230,12 @@ fi
 
 if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # quiet machine: nothing else runs
   ggml_lib=$("$PY" -c 'import ggml, os; print(os.path.join(os.path.dirname(ggml.__file__), "lib"))')
+  libs=(--lib "$ggml_lib")
+  [[ -d "$SITE_GGML25/ggml/lib" ]] && libs+=(--lib "$SITE_GGML25/ggml/lib")
   for m in "${models[@]%%:*}"; do
-    "$PY" bench/ggml_versions.py --like "$m" --threads "$THREADS" --lib "$ggml_lib" --lib "$PEER_LIB/llama_cpp/lib" 2>&1 |
-      sed "s|$ggml_lib|tandem's ggml-python|; s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
+    "$PY" bench/ggml_versions.py --like "$m" --threads "$THREADS" "${libs[@]}" --lib "$PEER_LIB/llama_cpp/lib" 2>&1 |
+      sed "s|$ggml_lib|tandem's ggml-python|; s|$SITE_GGML25/ggml/lib|ggml-python on ggml 0.25.3|;
+           s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
   done
 fi
 
@@ -241,8 +259,12 @@ for k in "${!targets[@]}"; do
   left=$(( DEADLINE_S - $(elapsed) ))
   share=$(( left / (n_targets - k) ))
   if (( share < 30 )); then say "no time left for $name ($left s)"; status=1; continue; fi
+  n_ab=$(wc -w <<<"${AB:-}")
+  n_rows=$(( 2 * $(tr ',' '\n' <<<"$matrix" | wc -l) ))
+  ab_share=$(( n_ab > 0 ? share * n_ab / (n_rows + n_ab) / n_ab : 0 ))  # each AB variant: one row's part
+  share=$(( share - n_ab * ab_share ))
   budget=$(( share - 15 ))  # 15 s for the orchestrator's start and the report; `timeout` below is the hard stop
-  say "bench $name: $share s (budget $budget s)"
+  say "bench $name: $share s (budget $budget s)${AB:+; then $n_ab AB variants, $ab_share s each}"
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
     --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
@@ -251,6 +273,20 @@ for k in "${!targets[@]}"; do
   say "bench $name: exit $rc"
   (( rc == 0 )) || status=1
   [[ -f "$OUT/$name/report.md" ]] && cat "$OUT/$name/report.md"
+  for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log
+    left=$ab_share
+    if (( left < 40 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
+    flags=(-t "$THREADS") path="$PYTHONPATH"
+    [[ $variant == *ggml25* ]] && path="$SITE_GGML25:$PYTHONPATH"
+    [[ $variant == *repack* ]] && flags+=(--repack-experts)
+    [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
+    say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'))"
+    PYTHONPATH=$path timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
+      "${flags[@]}" --matrix cpu-moe --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
+      --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} >"/tmp/ab_${name}_$variant.out" 2>&1
+    say "AB $name $variant: exit $?"
+    grep '^|' "/tmp/ab_${name}_$variant/report.md" 2>/dev/null || tail -5 "/tmp/ab_${name}_$variant.out"
+  done
   [[ ${#files[@]} -eq 0 ]] && rm -f "$model"  # room for the next one
 done
 
