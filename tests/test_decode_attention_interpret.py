@@ -116,3 +116,18 @@ def test_position_is_read_on_the_device() -> None:
         positions.fill_(p)
         y = decode_attention(q, keys, values, positions, case.d**-0.5, case.window)
         _check(y, reference(q, keys, values, p, case, None))
+
+
+@pytest.mark.parametrize("p", [23, 40, 47, 130])
+def test_sliding_window_ring(p: int) -> None:
+    """A sliding-window layer's ring of R rows (kv_cache.LayerKV: position j in row j % R, R >= window): the
+    same attention as over every position, for positions before and past the first wrap."""
+    window, rows = 20, 24
+    case = Case(4, 2, 32, 32, p + 1, p, window=window, sinks=True)
+    q, keys, values, sinks = _inputs(case, torch.float32, torch.float32, seed=p)
+    ring_k = torch.full((rows, case.kv_heads, case.d), float("nan"))  # rows never written must not be read
+    ring_v = torch.full((rows, case.kv_heads, case.dv), float("nan"))
+    held = torch.arange(max(0, p + 1 - rows), p + 1)
+    ring_k[held % rows], ring_v[held % rows] = keys[held], values[held]
+    y = decode_attention(q, ring_k, ring_v, torch.tensor([p]), case.d**-0.5, window, None, sinks, n_splits=3)
+    _check(y, reference(q, keys, values, p, case, sinks))

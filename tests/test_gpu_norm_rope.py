@@ -130,7 +130,7 @@ def test_rope_into_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     fused = LayerKV.allocate(512, 4, head_dim, head_dim, cache_dtype, "cuda")
     plain = LayerKV.allocate(512, 4, head_dim, head_dim, cache_dtype, "cuda")
     assert rope.apply(k, pos, w, 1e-6, into=fused.k) is fused.k
-    keys, values = fused.store_values(v, pos)
+    keys, values, _ = fused.store_values(v, pos)
     assert keys is fused.k and values is fused.v
     plain.store(0, rope.apply(k, pos, w, 1e-6), v, pos)
     assert torch.equal(fused.k, plain.k) and torch.equal(fused.v, plain.v)

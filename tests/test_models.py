@@ -14,8 +14,15 @@ import torch
 
 import tandem
 
-ARCH_FIXTURES = ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf", "tiny_qwen35moe_gguf",
-                 "tiny_qwen3next_gguf", "tiny_gpt_oss_gguf", "tiny_gemma4_gguf"]
+ARCH_FIXTURES = [
+    "tiny_qwen3_gguf",
+    "tiny_qwen3moe_gguf",
+    "tiny_gemma3_gguf",
+    "tiny_qwen35moe_gguf",
+    "tiny_qwen3next_gguf",
+    "tiny_gpt_oss_gguf",
+    "tiny_gemma4_gguf",
+]
 # the tiny Gemma's sliding window (16) is shorter than the longer ones; 80 spans two delta-net chunks (64)
 PROMPT_LENGTHS = [1, 7, 23, 48, 80]
 # f32 weights, f32 cache: what remains is summation order (ggml vs. torch): measured <= 3e-6.
@@ -78,3 +85,33 @@ def test_greedy_generation_matches_transformers(arch_model: tuple[Path, Path]) -
             torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False, eos_token_id=None, pad_token_id=0
         )
     assert ours == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma3_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
+def test_sliding_window_rings_match_full_caches(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sliding-window layers keep a ring of window + n_batch - 1 rows on a GPU (layers/attention.py); here on
+    the CPU, f32: prefill in batches that wrap the ring, decode past it, and going back to a shorter prefix
+    (held, or recomputed from the start when the ring overwrote it) give the logits of full caches."""
+    from tandem.layers import attention
+
+    _, gguf_path = request.getfixturevalue(fixture)
+    ids = _prompts(512)[-1]  # 80 tokens: several windows (16, 8)
+    with tandem.LLM(gguf_path, cache_type="f32", threads=2, n_batch=5) as llm:
+        full = llm.logits(ids)
+        windows = {b.mixer.shape.sliding_window for b in llm.model.blocks} - {None}
+    monkeypatch.setattr(attention, "RING_DEVICE_TYPES", ("cuda", "cpu"))
+    with tandem.LLM(gguf_path, cache_type="f32", threads=2, n_batch=5) as llm:
+        rows = {kv.rows for kv in llm.engine.cache.layers if kv.window is not None}
+        assert rows == {w + 4 for w in windows}, rows  # a ring on every sliding layer
+        np.testing.assert_allclose(llm.logits(ids), full, atol=1e-5, rtol=0)
+        engine = llm.engine
+        engine.reset()
+        engine.feed(ids[:30])
+        steps = [engine.append([t]).numpy() for t in ids[30:60]]
+        np.testing.assert_allclose(np.stack(steps), full[30:60], atol=1e-5, rtol=0)
+        for keep in (57, 12):  # 57: still in every ring; 12: overwritten, recomputed from the start
+            last = engine.feed(ids[: keep + 1]).numpy()
+            assert engine.cache.length == keep + 1
+            np.testing.assert_allclose(last, full[keep], atol=1e-5, rtol=0)

@@ -132,9 +132,10 @@ def test_rope_into_cache_rows(dtype: torch.dtype, cache_dtype: torch.dtype) -> N
     kv = torch.randn(2, 3, 80, generator=g).to(dtype)
     x = kv[:, :, 4:52]  # [T=2, H=3, Dh=48]: strided heads; partial rotary (dim 32)
     pos = torch.tensor([7, 30])
-    for norm in (None, torch.randn(48, generator=g)):
-        cache = torch.randn(32, 3, 48, generator=g).to(cache_dtype)
-        expected = cache.clone().index_copy_(0, pos, norm_rope.rope_rows(x, pos, cos, sin, norm, 1e-6).to(cache_dtype))
+    for norm, rows in ((None, 32), (torch.randn(48, generator=g), 32), (None, 12)):  # 12 rows: a ring, pos % 12
+        cache = torch.randn(rows, 3, 48, generator=g).to(cache_dtype)
+        rotated = norm_rope.rope_rows(x, pos, cos, sin, norm, 1e-6).to(cache_dtype)
+        expected = cache.clone().index_copy_(0, pos % rows, rotated)
         assert norm_rope.rope_rows(x, pos, cos, sin, norm, 1e-6, into=cache) is cache
         assert_stored(cache, expected, dtype)  # the written rows, and every other row untouched
 
@@ -148,6 +149,9 @@ def test_store_rows(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     expected = cache.clone().index_copy_(0, torch.tensor([9]), v.to(cache_dtype))
     assert norm_rope.store_rows(v, torch.tensor([9], dtype=torch.int32), cache) is cache
     assert_stored(cache, expected, dtype)
+    expected.index_copy_(0, torch.tensor([5]), v.to(cache_dtype))  # position 37 of a 16-row ring: row 5
+    norm_rope.store_rows(v, torch.tensor([37], dtype=torch.int32), cache)
+    assert_stored(cache, expected, dtype)
 
 
 def test_layer_kv_store_values() -> None:
@@ -156,6 +160,6 @@ def test_layer_kv_store_values() -> None:
 
     kv = LayerKV.allocate(8, 2, 16, 24, torch.float16, "cpu")
     v = torch.randn(1, 2, 24, dtype=torch.bfloat16)
-    keys, values = kv.store_values(v, torch.tensor([5]))
-    assert keys is kv.k and values is kv.v
+    keys, values, first = kv.store_values(v, torch.tensor([5]))
+    assert keys is kv.k and values is kv.v and first == 0
     assert torch.equal(kv.v[5], v[0].half()) and not kv.v[:5].any() and not kv.v[6:].any()

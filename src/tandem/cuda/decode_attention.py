@@ -35,10 +35,10 @@ _SPLIT_CHUNK = 16  # partial outputs the combine adds per step
 
 
 @triton.jit
-def _split_range(pos_ptr, n_keys, window, n_splits, BLOCK_N: tl.constexpr):
-    """The valid keys [lo, hi) of the query at position pos_ptr[0], and the length of one split's run."""
+def _split_range(pos_ptr, window, n_splits, BLOCK_N: tl.constexpr):
+    """The positions [lo, hi) the query at position pos_ptr[0] attends to, and the length of one split's run."""
     p = tl.load(pos_ptr).to(tl.int32)
-    hi = tl.minimum(p + 1, n_keys)
+    hi = p + 1
     lo = tl.maximum(p + 1 - window, 0)
     split_len = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
     return lo, hi, split_len
@@ -74,7 +74,7 @@ def _decode_partials(
 ):  # fmt: skip
     kv_head = tl.program_id(0) // HEAD_BLOCKS
     split = tl.program_id(1)
-    lo, hi, split_len = _split_range(pos_ptr, n_keys, window, n_splits, BLOCK_N)
+    lo, hi, split_len = _split_range(pos_ptr, window, n_splits, BLOCK_N)
     start = lo + split * split_len
     end = tl.minimum(start + split_len, hi)  # <= start: nothing to do (the loop below is empty)
     rows = (tl.program_id(0) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -93,7 +93,7 @@ def _decode_partials(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        key_rows = n.to(tl.int64)
+        key_rows = (n % n_keys).to(tl.int64)  # position -> row: a ring holds position j in row j % n_keys
         k_t = tl.load(
             k_head + key_rows[None, :] * stride_ks + d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0
         )  # [BLOCK_D, BLOCK_N]
@@ -126,7 +126,7 @@ def _decode_combine(
     CHUNK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
-    lo, hi, split_len = _split_range(pos_ptr, n_keys, window, n_splits, BLOCK_N)
+    lo, hi, split_len = _split_range(pos_ptr, window, n_splits, BLOCK_N)
     n_active = tl.cdiv(hi - lo, split_len)  # the splits that stored partials
     s = tl.arange(0, BLOCK_S)
     s_ok = s < n_active

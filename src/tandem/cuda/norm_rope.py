@@ -79,12 +79,12 @@ def _rms_norm(
 
 @triton.jit
 def _rope(
-    x_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, head_dim, stride_t, stride_h, stride_d, w_stride, eps,
-    HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+    x_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, out_rows, head_dim, stride_t, stride_h, stride_d, w_stride,
+    eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = rotate(norm?(x[t, h])) at pos[t]; one (token, head) per program.
 
-    STORE: out is a KV-cache buffer [P, H, Dh] and the result goes to its row pos[t] instead of row t."""
+    STORE: out is a KV-cache buffer [R, H, Dh] and the result goes to its row pos[t] % R instead of row t."""
     # Every lane d computes x[d] * cos + x[partner] * (+-sin): lanes past the rotated 2 * HALF get cos 1,
     # sin 0 and pass through (partial rotary).
     t = tl.program_id(0).to(tl.int64)
@@ -109,21 +109,22 @@ def _rope(
     out = x * cos + xp * tl.where(first, -sin, sin)  # x1*cos - x2*sin | x2*cos + x1*sin
     # Rounded to x's dtype first (a no-op unless STORE): the cache holds what rope-then-cast stored.
     out = out.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
-    row = pos if STORE else t
+    row = pos % out_rows if STORE else t
     tl.store(out_ptr + (row * tl.num_programs(1) + h) * head_dim + d, out, mask=in_head)
 
 
 @triton.jit
 def _store_rows(
-    x_ptr, pos_ptr, out_ptr, head_dim, stride_t, stride_h, stride_d, BLOCK: tl.constexpr,
+    x_ptr, pos_ptr, out_ptr, out_rows, head_dim, stride_t, stride_h, stride_d, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """out[pos[t], h] = x[t, h] in out's dtype (one rounding, as `Tensor.to`); one (token, head) per program."""
+    """out[pos[t] % R, h] = x[t, h] in out's dtype (one rounding, as `Tensor.to`), out [R, H, Dh]; one (token,
+    head) per program."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < head_dim
     x = tl.load(x_ptr + t * stride_t + h * stride_h + d * stride_d, mask=mask)
-    row = tl.load(pos_ptr + t).to(tl.int64)
+    row = tl.load(pos_ptr + t).to(tl.int64) % out_rows
     tl.store(out_ptr + (row * tl.num_programs(1) + h) * head_dim + d, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -184,8 +185,9 @@ def rope_rows(
     must lie in the tables: nothing checks them on the device), in x's dtype.
 
     norm: an RMSNorm weight [Dh] (or scalar) applied per head before rotating, in f32 (no rounding between).
-    into: a contiguous buffer [P, H, Dh] (a KV cache): the rotated token t goes to its row positions[t],
-    rounded to x's dtype then to into's (as rotating then casting), and `into` is returned."""
+    into: a contiguous buffer [R, H, Dh] (a KV cache): the rotated token t goes to its row positions[t] % R (a
+    sliding-window ring; R is the context for a full cache), rounded to x's dtype then to into's (as rotating
+    then casting), and `into` is returned."""
     t, h, dh = x.shape
     half = cos.shape[1]
     if into is None:
@@ -196,17 +198,20 @@ def rope_rows(
     block = triton.next_power_of_2(dh)
     w = x if norm is None else norm  # any pointer when there is no norm
     _rope[(t, h)](
-        x, positions, cos, sin, w, out, dh, *x.stride(), 0 if norm is None else _w_stride(norm), eps,
+        x, positions, cos, sin, w, out, out.shape[0], dh, *x.stride(), 0 if norm is None else _w_stride(norm), eps,
         HALF=half, BLOCK=block, NORM=norm is not None, STORE=into is not None, num_warps=max(1, block // 256),
     )  # fmt: skip
     return out
 
 
 def store_rows(x: torch.Tensor, positions: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-    """into[positions[t]] = x[t] in into's dtype (x [T, H, Dh], strided; into contiguous [P, H, Dh]; positions a
-    device tensor, never read on the host, and distinct): one kernel for `index_copy_(0, positions, x.to(...))`."""
+    """into[positions[t] % R] = x[t] in into's dtype (x [T, H, Dh], strided; into contiguous [R, H, Dh]; positions
+    a device tensor, never read on the host, distinct modulo R): one kernel for
+    `index_copy_(0, positions % R, x.to(...))`."""
     t, h, dh = x.shape
     _check_rows_into(x, into)
     block = triton.next_power_of_2(dh)
-    _store_rows[(t, h)](x, positions, into, dh, *x.stride(), BLOCK=block, num_warps=max(1, block // 256))
+    _store_rows[(t, h)](
+        x, positions, into, into.shape[0], dh, *x.stride(), BLOCK=block, num_warps=max(1, block // 256)
+    )  # fmt: skip
     return into

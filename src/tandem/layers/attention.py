@@ -42,6 +42,9 @@ from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ggml_attention_row
 from tandem.runtime.kv_cache import LayerKV
 
+# Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
+RING_DEVICE_TYPES = ("cuda",)
+
 
 @dataclass
 class AttentionShape:
@@ -53,9 +56,12 @@ class AttentionShape:
     sliding_window: int | None  # None: full causal attention
     softcap: float | None = None
 
-    def new_kv(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
-        """The KV buffers of a layer with this geometry."""
-        return LayerKV.allocate(n_ctx, self.n_kv_heads, self.head_dim, self.value_dim, dtype, device)
+    def new_kv(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> LayerKV:
+        """The KV buffers of a layer with this geometry: on a GPU, a sliding-window layer keeps a ring of
+        window + n_batch - 1 rows (VRAM is what --cpu-moe users lack); on the CPU, every position, in the
+        order whose sums reproduce llama.cpp's rounding (see the module docstring)."""
+        window = self.sliding_window if torch.device(device).type in RING_DEVICE_TYPES else None
+        return LayerKV.allocate(n_ctx, self.n_kv_heads, self.head_dim, self.value_dim, dtype, device, window, n_batch)
 
 
 @dataclass
@@ -72,8 +78,8 @@ class Attention:
     v_norm: bool = False  # RMS-normalise values per head, without a weight (Gemma 4)
     sinks: torch.Tensor | None = None  # [H] learned logit of an extra "sink" key per head (gpt-oss)
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
-        return self.shape.new_kv(n_ctx, dtype, device)
+    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> LayerKV:
+        return self.shape.new_kv(n_ctx, dtype, device, n_batch)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape
@@ -110,11 +116,11 @@ def normed_rotated_attend(
     q = layer.rope.apply(q, positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel per tensor on CUDA
     if cache.by_index(k.shape[0], positions):  # decoding on CUDA: the k kernel writes its cache row itself
         layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps, into=cache.k)
-        keys, values = cache.store_values(v, positions)  # whole buffers [n_ctx, G, D]
+        keys, values, first = cache.store_values(v, positions)  # whole buffers [R, G, D]
     else:
         k = layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps)
-        keys, values = cache.store(start, k, v, positions)  # [S, G, D]
-    return attend(q, keys, values, positions, layer.shape, sinks)
+        keys, values, first = cache.store(start, k, v, positions)  # [S, G, D] from position `first`
+    return attend(q, keys, values, positions, layer.shape, sinks, first)
 
 
 def attend(
@@ -124,8 +130,11 @@ def attend(
     positions: torch.Tensor,
     s: AttentionShape,
     sinks: torch.Tensor | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
-    """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D].
+    """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D], those of
+    positions first, first + 1, ... (a decode step on a GPU: a whole cache buffer, a ring's rows by position
+    modulo its size).
 
     `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing."""
     if q.is_cuda and q.shape[0] == 1:  # decoding: one kernel pair reads p on the device, builds no mask
@@ -133,10 +142,10 @@ def attend(
 
         return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
     if keys.dtype is torch.float16 and not q.is_cuda and q.shape[0] == 1 and s.softcap is None and sinks is None:
-        return _attend_row_ggml(q, keys, values, int(positions[0]), s)
+        return _attend_row_ggml(q, keys, values, int(positions[0]) - first, s)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
-    key_pos = torch.arange(n_keys, device=q.device)
+    key_pos = first + torch.arange(n_keys, device=q.device)
     distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [T, S]
     allowed = distance >= 0
     if s.sliding_window is not None:

@@ -223,7 +223,7 @@ class GatedDeltaNet:
     eps: float = 1e-6  # of the gated RMSNorm and the q/k L2 norms
     chunk_size: int = CHUNK_SIZE
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> DeltaNetState:
+    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> DeltaNetState:
         return DeltaNetState.allocate(self.shape, device)
 
     def _expand_heads(self, x: torch.Tensor) -> torch.Tensor:

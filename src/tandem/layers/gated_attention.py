@@ -34,8 +34,8 @@ class GatedAttention:
         if self.shape.value_dim != self.shape.head_dim:
             raise ValueError("gated attention needs value_dim == head_dim (the gate has head_dim channels per head)")
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str) -> LayerKV:
-        return self.shape.new_kv(n_ctx, dtype, device)
+    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> LayerKV:
+        return self.shape.new_kv(n_ctx, dtype, device, n_batch)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape

@@ -144,8 +144,9 @@ class Rope:
         """Rotate x [T, H, Dh] at integer `positions` [T], after an RMSNorm of each head by weight `norm`
         [Dh] when given (q/k norms). On CUDA one Triton kernel does both, with no rounding in between.
 
-        into (CUDA only): a contiguous buffer [P, H, Dh] (a KV cache) that receives token t at row
-        positions[t], cast to its dtype, in the same kernel; it is returned."""
+        into (CUDA only): a contiguous buffer [R, H, Dh] (a KV cache) that receives token t at row
+        positions[t] % R (a sliding-window ring; a full cache has a row per position), cast to its dtype, in the
+        same kernel; it is returned."""
         if self._cos.device != positions.device or self._cos.shape[0] == 0:
             self.reserve(int(positions.max().item()) + 1, positions.device)
         if x.is_cuda:

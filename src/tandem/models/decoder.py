@@ -72,8 +72,10 @@ class DecoderModel:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
-        """Fresh sequence state on the compute device: each block's mixer allocates what it needs."""
+    def new_cache(self, n_ctx: int, dtype: torch.dtype, n_batch: int) -> KVCache:
+        """Fresh sequence state on the compute device for steps of at most n_batch tokens: each block's mixer
+        allocates what it needs."""
         for rope in self.ropes.values():
             rope.reserve(n_ctx, self.device)
-        return KVCache(layers=[b.mixer.new_state(n_ctx, dtype, self.device) for b in self.blocks], n_ctx=n_ctx)
+        states = [b.mixer.new_state(n_ctx, dtype, self.device, n_batch) for b in self.blocks]
+        return KVCache(layers=states, n_ctx=n_ctx)

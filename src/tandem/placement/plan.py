@@ -83,13 +83,17 @@ class PlacementPlan:
 
 
 def kv_cache_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
-    # Per layer: Gemma 4's sliding and global layers differ in KV heads and head size.
-    per_position = sum(
-        (layer.n_kv_heads or cfg.n_kv_heads)
-        * (2 * layer.head_dim if layer.head_dim else cfg.head_dim + cfg.value_dim)
-        for layer in cfg.layers
-    )
-    return shape.n_ctx * per_position * shape.cache_bytes_per_value
+    """The GPU KV cache: per layer (Gemma 4's sliding and global layers differ in KV heads and head size),
+    n_ctx rows, or a sliding-window layer's ring of window + n_batch - 1 (layers/attention.py new_kv)."""
+    total = 0
+    for layer in cfg.layers:
+        per_row = (layer.n_kv_heads or cfg.n_kv_heads) * (
+            2 * layer.head_dim if layer.head_dim else cfg.head_dim + cfg.value_dim
+        )
+        window = layer.sliding_window
+        rows = shape.n_ctx if window is None else min(shape.n_ctx, window + shape.n_batch - 1)
+        total += rows * per_row
+    return total * shape.cache_bytes_per_value
 
 
 def workspace_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:

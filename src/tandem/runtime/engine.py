@@ -26,7 +26,7 @@ class Engine:
     ) -> None:
         self.model = model
         self.n_batch = n_batch
-        self.cache = model.new_cache(n_ctx, cache_dtype)
+        self.cache = model.new_cache(n_ctx, cache_dtype, n_batch)
         self._decode_graph = self._graph_if_possible() if graphs else None
         self._warm = False
 

@@ -24,19 +24,41 @@ class StateOrderError(TandemError):
 
 @dataclass
 class LayerKV:
-    """K/V of one layer: [n_ctx, H_kv, D] each; positions [0, length) are valid."""
+    """K/V of one layer: [R, H_kv, D] each, position p in row p % R; positions [0, length) were written.
+
+    R is n_ctx (every position stays), or for a sliding-window layer on a GPU, a ring of window + n_batch - 1
+    rows (`window` set): enough for the last query of a batch of n_batch tokens to see its window, as
+    llama.cpp's SWA cache keeps n_swa + n_ubatch cells. Older positions are overwritten, so a ring can only
+    go back a few positions (`can_truncate`)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    window: int | None = None  # a ring's sliding window (None: a full buffer)
 
     @classmethod
     def allocate(
-        cls, n_ctx: int, n_kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device | str
+        cls,
+        n_ctx: int,
+        n_kv_heads: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        window: int | None = None,
+        n_batch: int = 1,
     ) -> LayerKV:
+        """A full buffer of n_ctx rows, or with `window`, a ring of window + n_batch - 1 rows where that is
+        fewer."""
+        rows = n_ctx if window is None else min(n_ctx, window + n_batch - 1)
         return cls(
-            k=torch.zeros(n_ctx, n_kv_heads, k_dim, dtype=dtype, device=device),
-            v=torch.zeros(n_ctx, n_kv_heads, v_dim, dtype=dtype, device=device),
+            k=torch.zeros(rows, n_kv_heads, k_dim, dtype=dtype, device=device),
+            v=torch.zeros(rows, n_kv_heads, v_dim, dtype=dtype, device=device),
+            window=window if rows < n_ctx else None,
         )
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[0]
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -45,31 +67,48 @@ class LayerKV:
         """Whether a step of `n_tokens` at `positions` writes by index (see `store`): one token on a GPU."""
         return positions is not None and self.k.is_cuda and n_tokens == 1
 
+    def can_truncate(self, length: int, to: int) -> bool:
+        """Whether a cache holding positions [0, length) still holds what a sequence cut to `to` attends to."""
+        return self.window is None or max(0, to - self.window + 1) >= length - self.rows
+
     def store(
         self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [T, H_kv, D] at positions start..start+T-1 and return the keys/values to attend to.
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write k/v [T, H_kv, D] at positions start..start+T-1 and return (keys, values, first): the keys and
+        values to attend to, those of positions first, first + 1, ..., in order.
 
         A one-token step on a GPU writes by index (`positions`, a device tensor) and returns the whole
-        buffer, so the step has the same shapes at every position and can be replayed as a CUDA graph;
-        positions not yet written are masked by causality.
+        buffer (first 0; a ring's rows by position modulo its size), so the step has the same shapes at every
+        position and can be replayed as a CUDA graph; positions not yet written are masked by causality.
         """
         if self.by_index(k.shape[0], positions):
-            self.k.index_copy_(0, positions, k.to(self.k.dtype))
-            self.v.index_copy_(0, positions, v.to(self.v.dtype))
-            return self.k, self.v
+            assert positions is not None
+            rows = positions % self.rows if self.window is not None else positions
+            self.k.index_copy_(0, rows, k.to(self.k.dtype))
+            self.v.index_copy_(0, rows, v.to(self.v.dtype))
+            return self.k, self.v, 0
         end = start + k.shape[0]
-        self.k[start:end] = k.to(self.k.dtype)
-        self.v[start:end] = v.to(self.v.dtype)
-        return self.k[:end], self.v[:end]
+        if self.window is None:
+            self.k[start:end] = k.to(self.k.dtype)
+            self.v[start:end] = v.to(self.v.dtype)
+            return self.k[:end], self.v[:end], 0
+        room = self.rows - self.window + 1
+        if k.shape[0] > room:
+            raise ValueError(f"{k.shape[0]} tokens in one step; a sliding-window ring of {self.rows} rows takes {room}")
+        device = self.k.device
+        self.k.index_copy_(0, torch.arange(start, end, device=device) % self.rows, k.to(self.k.dtype))
+        self.v.index_copy_(0, torch.arange(start, end, device=device) % self.rows, v.to(self.v.dtype))
+        first = max(0, end - self.rows)
+        held = torch.arange(first, end, device=device) % self.rows
+        return self.k.index_select(0, held), self.v.index_select(0, held), first
 
-    def store_values(self, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def store_values(self, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The `by_index` step whose keys the rope kernel already wrote into `self.k` (`Rope.apply(into=)`):
         v [1, H_kv, Dv] into its row in one kernel (cast included); the whole buffers, as `store` returns."""
         from tandem.cuda.norm_rope import store_rows
 
         store_rows(v, positions, self.v)
-        return self.k, self.v
+        return self.k, self.v, 0
 
 
 class LayerState(Protocol):
@@ -168,8 +207,12 @@ class KVCache:
         """Forget positions >= length (they are overwritten by the next tokens).
 
         Recurrent layers cannot drop positions: the sequence goes back to the latest checkpoint at or
-        below `length`, else to empty. Read `self.length` for what was kept."""
+        below `length`, else to empty. Sliding-window rings have overwritten their oldest positions: where
+        one no longer holds the window before `length`, the sequence goes back to empty. Read `self.length`
+        for what was kept."""
         length = min(self.length, length)
+        if not all(layer.can_truncate(self.length, length) for layer in self.layers if isinstance(layer, LayerKV)):
+            length = 0
         recurrent = self._recurrent()
         if recurrent and length < self.length:
             self.checkpoints = [c for c in self.checkpoints if c[0] <= length]
