@@ -63,7 +63,8 @@
 #     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
 #     --repack-experts, `tNN` uses NN threads)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
-#     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt)
+#     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
+#     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
 set -uo pipefail  # no -e: a failed step is logged and the report still written
 
 t0=$(date +%s)
@@ -214,9 +215,10 @@ fi
 if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # untimed: the kernel order only
   say "profile and kernel trace of one decode step ($PROFILE_PLACEMENTS), while the build runs"
   "$PY" bench/profile_step.py "${early[0]}" -t "$THREADS" --tg 8 --placements "$PROFILE_PLACEMENTS" \
-    --trace "$OUT/trace.txt" >/tmp/trace_profile.log 2>&1 || { say "profile FAILED"; tail -20 /tmp/trace_profile.log; }
+    --trace "$OUT/trace.txt" ${PROFILE_FLAGS:-} >/tmp/trace_profile.log 2>&1 ||
+    { say "profile FAILED"; tail -20 /tmp/trace_profile.log; }
   grep -E "^==|one decode step" "$OUT/trace.txt" 2>/dev/null
-  grep -E "^== |^[a-z0-9-]+: pp|^   decode step|ggml expert FFN" /tmp/trace_profile.log
+  grep -E "^== |^[a-z0-9-]+: pp|^   decode step|ggml expert FFN|^   round |^   after the copies" /tmp/trace_profile.log
 fi
 
 if [[ -n "$llama_pid" ]]; then

@@ -75,7 +75,8 @@ def _child(lib_dir: str, spec: dict) -> dict:
     rng = np.random.default_rng(0)
     gate, up = (_blocks("Q4_K", experts * inter, hidden, rng) for _ in range(2))
     down = _blocks(spec["down"], experts * hidden, inter, rng)
-    ctx = base.ggml_init(_InitParams(gate.nbytes * 2 + down.nbytes + (1 << 30), None, False))  # graph, work buffer
+    # The weights, then room for the graph and the work buffer (ggml 0.25.3 wanted more than 1 GiB at 16 threads).
+    ctx = base.ggml_init(_InitParams(gate.nbytes * 2 + down.nbytes + (2 << 30), None, False))
 
     def tensor3(qtype: int, ne0: int, ne1: int, ne2: int, data: np.ndarray) -> int:
         t = base.ggml_new_tensor_3d(ctx, qtype, ne0, ne1, ne2)

@@ -10,19 +10,32 @@ For each placement: load time; prefill and decode speed; with experts in host RA
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
 profiler). Also the ggml expert FFN alone at one token, for several thread counts (the CPU's floor).
+
+--memory: the same FFN graphs swept over every CPU layer (one token, a fresh random route per layer, as decode
+reads them) with the experts' bytes in different memory: the file mapping as loaded (page-locked for the
+streamed prefill), copies in anonymous memory with 4 KiB pages and with transparent huge pages, and the file
+mapping again once unregistered. Which of these costs tandem's CPU experts their speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import mmap
 import os
 import time
+import warnings
+from pathlib import Path
 
+import numpy as np
 import torch
 
 import tandem
 from tandem.cuda.graphs import HOST_THREAD_ENV
+from tandem.cuda.host_memory import HostRegistration
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.ggml_weights import GGMLWeight
 from tandem.runtime.offload import HOST_FLAGS_ENV
 
 PLACEMENTS = {
@@ -244,6 +257,79 @@ def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
     return lines
 
 
+def _sweep_ms(kernels: CPUKernels, ffns: list[ExpertFFN], tokens: int = 24, top_k: int = 8) -> float:
+    """ms per token of every layer's expert FFN graph, one after the other, each on a fresh random route."""
+    e, d, _ = ffns[0].down.shape
+    k = ffns[0].stacks[0].shape[-1]
+    x, w = torch.randn(1, k), torch.full((1, top_k), 1.0 / top_k)
+    ids, out = torch.zeros(1, top_k, dtype=torch.int32), torch.empty(1, d)
+    runs = [kernels.gated_experts_into(out, x, ffn, ids, w) for ffn in ffns]
+    routes = torch.stack([torch.randperm(e)[:top_k] for _ in range((tokens + 4) * len(ffns))]).int()
+    total = 0.0
+    for i, run in enumerate(runs * (tokens + 4)):
+        ids[0] = routes[i]
+        start = time.perf_counter()
+        run()
+        if i >= 4 * len(runs):  # 4 untimed tokens first
+            total += time.perf_counter() - start
+    return total / tokens * 1e3
+
+
+def _anonymous_copy(ffn: ExpertFFN, huge: bool) -> ExpertFFN:
+    """`ffn` with its weights' bytes copied into fresh anonymous mappings (huge pages asked for, or refused)."""
+
+    def copy(w: GGMLWeight | None) -> GGMLWeight | None:
+        if w is None:
+            return None
+        m = mmap.mmap(-1, w.data.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: THP applies
+        m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+        data = np.frombuffer(m, dtype=np.uint8)  # keeps the mapping alive
+        data[:] = w.data
+        return GGMLWeight(data=data, qtype=w.qtype, shape=w.shape)
+
+    return dataclasses.replace(ffn, **{n: copy(getattr(ffn, n)) for n in ("gate", "up", "gate_up", "down")})
+
+
+def _huge_pages() -> str:
+    """This process's memory in huge pages (smaps_rollup), and the system's THP modes."""
+    with open("/proc/self/smaps_rollup") as f:
+        kinds = [line.split()[:2] for line in f if "PmdMapped" in line or line.startswith("AnonHugePages")]
+    thp = Path("/sys/kernel/mm/transparent_hugepage")
+    modes = [f"{n} {(thp / n).read_text().split('[')[1].split(']')[0]}" for n in ("enabled", "shmem_enabled")
+             if (thp / n).exists() and "[" in (thp / n).read_text()]  # fmt: skip
+    return ", ".join(f"{k.rstrip(':')} {int(v) >> 10} MiB" for k, v in kinds) + "; THP " + ", ".join(modes)
+
+
+def _expert_memory(llm: tandem.LLM, threads: int) -> list[str]:
+    """The expert FFN of every CPU layer swept per token (see --memory), with its bytes in different memory."""
+    ffns = [ffn for _, ffn in _cpu_graphs(llm)]
+    if not ffns:
+        return ["(no CPU experts in this placement)"]
+    per_token = sum(8 * sum(w.data.nbytes for w in f.stacks + (f.down,)) // f.down.shape[0] for f in ffns)
+    kernels = CPUKernels(threads)
+    small = [_anonymous_copy(f, huge=False) for f in ffns]
+    huge = [_anonymous_copy(f, huge=True) for f in ffns]
+    lines = [f"after the copies: {_huge_pages()}"]
+    memories = {"file mapping, page-locked (as loaded)": ffns, "anonymous, 4 KiB pages": small,
+                "anonymous, huge pages": huge}  # fmt: skip
+    for round_ in range(2):
+        for name, sets in memories.items():
+            ms = _sweep_ms(kernels, sets)
+            lines.append(f"round {round_}: {name}: {ms:.2f} ms/token ({per_token / ms / 1e6:.1f} GB/s), "
+                         f"{ms / len(ffns) * 1e3:.0f} us/layer")  # fmt: skip
+    with warnings.catch_warnings():  # isinstance on every object wakes torch's deprecated aliases
+        warnings.simplefilter("ignore")
+        pins = [o for o in gc.get_objects() if isinstance(o, HostRegistration)]
+    for pin in pins:
+        pin.close()
+    for round_ in range(2):
+        ms = _sweep_ms(kernels, ffns)
+        lines.append(f"round {round_}: file mapping, {len(pins)} registration(s) closed: {ms:.2f} ms/token "
+                     f"({per_token / ms / 1e6:.1f} GB/s), {ms / len(ffns) * 1e3:.0f} us/layer")  # fmt: skip
+    kernels.close()
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -253,6 +339,7 @@ def main() -> None:
     p.add_argument("--tg", type=int, default=64)
     p.add_argument("--floor-threads", default="8,12,16")
     p.add_argument("--trace", help="append each placement's one-step kernel sequence to this file")
+    p.add_argument("--memory", action="store_true", help="only the experts' memory A/B (see above), then stop")
     a = p.parse_args()
     summary = []
     for name in a.placements.split(","):
@@ -263,6 +350,12 @@ def main() -> None:
             load_s = time.perf_counter() - start
             print(f"== {name}: loaded in {load_s:.1f} s; notices: {llm.notices}")
             print(f"   VRAM plan {llm.plan.gpu_bytes() >> 20} MiB (staging {llm.plan.staging_bytes >> 20} MiB)")
+            if a.memory:
+                _prefill(llm, a.pp)  # touches the experts as a run would
+                for line in _expert_memory(llm, a.threads):
+                    print("   " + line)
+                    summary.append(f"{name}: {line}")
+                continue
             _prefill(llm, a.pp)  # warm-up: compiles and tunes the prefill kernels
             pp = max(_prefill(llm, a.pp) for _ in range(2))
             tg = _decode(llm, a.tg)

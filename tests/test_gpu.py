@@ -231,3 +231,44 @@ def test_vram_guarantee(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, monk
         assert all(llm.placed[n] == "cpu" for n in cpu_planned)
         peak = torch.cuda.max_memory_allocated() - base
         assert peak <= plan.gpu_bytes(), (peak, plan.gpu_bytes())
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma3_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["captured", "eager"])
+def test_sliding_window_rings_on_the_gpu(
+    fixture: str, graphs: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, sliding-window layers keep a ring of window + n_batch - 1 KV rows (layers/attention.py): with
+    n_batch 5, prefill wraps the ring, decode steps (captured or eager) go past it, and going back to a shorter
+    prefix (held, or recomputed from the start) give the logits of full caches on the same GPU, f32."""
+    from tandem.layers import attention
+
+    path = request.getfixturevalue(fixture)[1]
+    ids = _prompt(80, 12)  # several windows (8, 16)
+    opts = {"device": "cuda", "dtype": "f32", "cache_type": "f32", "n_batch": 5, "cuda_graphs": graphs}
+
+    def run(llm: tandem.LLM) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        engine = llm.engine
+        engine.reset()
+        engine.feed(ids[:30])
+        steps = torch.stack([engine.append([t]).float().cpu() for t in ids[30:60]])
+        back = []
+        for keep in (57, 12):  # 57: still in every ring; 12: overwritten, recomputed from the start
+            back.append(engine.feed(ids[: keep + 1]).float().cpu())
+            assert engine.cache.length == keep + 1
+        return torch.from_numpy(llm.logits(ids)), steps, back
+
+    monkeypatch.setattr(attention, "RING_DEVICE_TYPES", ())
+    with tandem.LLM(path, **opts) as llm:
+        assert all(kv.window is None for kv in llm.engine.cache.layers)
+        full, full_steps, full_back = run(llm)
+    monkeypatch.undo()
+    with tandem.LLM(path, **opts) as llm:
+        windows = {b.mixer.shape.sliding_window for b in llm.model.blocks} - {None}
+        rows = {kv.rows for kv in llm.engine.cache.layers if kv.window is not None}
+        assert windows and rows == {w + 4 for w in windows}, rows  # a ring on every sliding layer
+        ring, ring_steps, ring_back = run(llm)
+    torch.testing.assert_close(ring, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ring_steps, full_steps, atol=1e-5, rtol=0)
+    for got, want in zip(ring_back, full_back, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
