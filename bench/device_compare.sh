@@ -61,7 +61,7 @@
 #   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row once per
 #     variant, in the same call, its table in the log: `ggml25` runs on ggml-python built around llama.cpp's ggml
 #     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
-#     --repack-experts, `tNN` uses NN threads)
+#     --repack-experts, `tNN` uses NN threads, `step-MODE` sets TANDEM_STEP_THREAD=MODE: src/tandem/cuda/graphs.py)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -278,12 +278,13 @@ for k in "${!targets[@]}"; do
   for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log
     left=$ab_share
     if (( left < 40 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
-    flags=(-t "$THREADS") path="$PYTHONPATH"
+    flags=(-t "$THREADS") path="$PYTHONPATH" step=launch
+    [[ $variant =~ step-([a-z-]+) ]] && step=${BASH_REMATCH[1]}
     [[ $variant == *ggml25* ]] && path="$SITE_GGML25:$PYTHONPATH"
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
-    say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'))"
-    PYTHONPATH=$path timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
+    say "AB $name $variant: tandem ${flags[*]}, TANDEM_STEP_THREAD=$step (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'))"
+    PYTHONPATH=$path TANDEM_STEP_THREAD=$step timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
       "${flags[@]}" --matrix cpu-moe --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
       --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} >"/tmp/ab_${name}_$variant.out" 2>&1
     say "AB $name $variant: exit $?"

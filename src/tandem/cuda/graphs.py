@@ -9,9 +9,17 @@ When every host op hands over through HostFlags (cuda/host_memory.py), the step 
 op it sets the op's to-host flag and waits on the device for its to-device flag, and the replay launches
 it once and runs the host ops in order while it runs (each spins on its to-host flag, computes, sets its
 to-device flag). No launch per layer (~40-55 µs each, 48 per token on Qwen3-30B-A3B with --cpu-moe, measured
-on an H200 host with the per-layer segments), no event round trip. The host ops run on a thread of their own
-(one per process), started before the launch: launching the one graph (~1,000 nodes) takes ~1.2 ms of CPU
-(H200 host, 13:40), which the first host op would otherwise wait out (TANDEM_HOST_THREAD=0: the caller's thread).
+on an H200 host with the per-layer segments), no event round trip. Launching the one graph (~1,000 nodes)
+takes ~1.2 ms of CPU (H200 host, 13:40), which the first host op would otherwise wait out: a helper thread
+(one per process) launches it while the calling thread runs the host ops.
+
+The host ops stay on the calling thread because ggml computes through OpenMP, in the libgomp torch loads:
+libgomp keeps a team of worker threads per thread that starts parallel regions, and once its threads
+outnumber the CPUs it cuts every barrier's spin to ~100 iterations and puts waiting threads to sleep. A second
+team (ggml's on a helper thread beside the one torch and the eager host ops made on the caller's) made every
+barrier of every expert graph a futex sleep and wake-up. TANDEM_STEP_THREAD picks the arrangement, for
+measuring: `launch` (the default, above), `host-ops` (the helper thread runs the host ops and the caller
+launches), `none` (the caller launches, then runs the host ops).
 """
 
 from __future__ import annotations
@@ -29,34 +37,45 @@ from tandem.runtime.kv_cache import KVCache
 if TYPE_CHECKING:
     from tandem.cuda.host_memory import HostFlag
 
-# Set to 0 to run a one-graph step's host ops on the thread that launches the graph (for measuring).
-HOST_THREAD_ENV = "TANDEM_HOST_THREAD"
+STEP_THREAD_ENV = "TANDEM_STEP_THREAD"  # launch (default), host-ops or none: see the module docstring
+STEP_THREAD_MODES = ("launch", "host-ops", "none")
 
 
-class _HostStepThread:
-    """A daemon thread that runs one job at a time for the thread that submits it, which collects the
-    job's error (if any) with `wait`."""
+class _StepThread:
+    """A daemon thread that runs one job at a time for the thread that submits it, which can wait for the job
+    to start (`wait_started`) and collects its error, if any, with `wait`."""
 
     def __init__(self) -> None:
         self._start = threading.Semaphore(0)
+        self._started = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._job: Callable[[], None] | None = None
+        self._announce = False
         self._error: BaseException | None = None
-        threading.Thread(target=self._serve, name="tandem-host-ops", daemon=True).start()
+        threading.Thread(target=self._serve, name="tandem-step", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
             self._start.acquire()
             assert self._job is not None
+            if self._announce:
+                self._started.release()
             try:
                 self._job()
             except BaseException as e:  # handed to the waiting thread
                 self._error = e
             self._done.release()
 
-    def submit(self, job: Callable[[], None]) -> None:
-        self._job, self._error = job, None
+    def submit(self, job: Callable[[], None], announce: bool = False) -> None:
+        """Run `job` on the thread; with `announce`, the caller must then call `wait_started`."""
+        self._job, self._announce, self._error = job, announce, None
         self._start.release()
+
+    def wait_started(self) -> None:
+        """Until the job (submitted with `announce`) is about to run. A caller that then spins in Python holds
+        the GIL: the job must have got to code that releases it (a graph launch) first, or it waits out a switch
+        interval (5 ms)."""
+        self._started.acquire()
 
     def wait(self) -> None:
         """Until the job ends; raises its error."""
@@ -66,17 +85,16 @@ class _HostStepThread:
             raise error
 
 
-# One host-op thread per process, made at the first one-graph replay: ggml's OpenMP keeps a team of worker
-# threads per calling thread, so a thread per captured step would leave a team behind with each model.
-_HOST_THREAD: _HostStepThread | None = None
-_HOST_THREAD_LOCK = threading.Lock()
+# One step thread per process, made at the first one-graph replay, used by one step at a time.
+_STEP_THREAD: _StepThread | None = None
+_STEP_THREAD_LOCK = threading.Lock()
 
 
-def _host_thread() -> _HostStepThread:
-    global _HOST_THREAD
-    if _HOST_THREAD is None:
-        _HOST_THREAD = _HostStepThread()
-    return _HOST_THREAD
+def _step_thread() -> _StepThread:
+    global _STEP_THREAD
+    if _STEP_THREAD is None:
+        _STEP_THREAD = _StepThread()
+    return _STEP_THREAD
 
 
 class HostBoundary(Protocol):
@@ -97,7 +115,11 @@ class SegmentedGraph:
         self._to_host: list[HostFlag] = []
         self._to_device: list[HostFlag] = []
         self._current: torch.cuda.CUDAGraph | None = None
-        self._host_thread = os.environ.get(HOST_THREAD_ENV, "1") != "0"  # read once, not at every token
+        self._thread_mode = os.environ.get(STEP_THREAD_ENV, "launch")  # read once, not at every token
+        if self._thread_mode not in STEP_THREAD_MODES:
+            raise ValueError(
+                f"{STEP_THREAD_ENV} must be one of {', '.join(STEP_THREAD_MODES)}, not {self._thread_mode!r}"
+            )
 
     @property
     def one_graph(self) -> bool:
@@ -164,34 +186,56 @@ class SegmentedGraph:
                 step()
             return
         (graph,) = self.steps
-        if not self._host_thread:
+        if self._thread_mode == "none":
             graph()
             self._settle(self._run_host_steps)
             return
-        with _HOST_THREAD_LOCK:  # one step at a time on the process's host-op thread
-            thread = _host_thread()
-            thread.submit(self._run_host_steps)  # it spins on the first to-host flag while the graph launches
+        stream = torch.cuda.current_stream()
+        with _STEP_THREAD_LOCK:
+            thread = _step_thread()
+            if self._thread_mode == "launch":
+                thread.submit(lambda: self._launch(graph, stream), announce=True)
+                thread.wait_started()
+                mine: Callable[[], None] = self._run_host_steps
+            else:
+                thread.submit(self._run_host_steps)  # it spins on the first to-host flag while the graph launches
+                mine = lambda: self._launch(graph, stream)  # noqa: E731
             try:
-                graph()
+                mine()
             except BaseException:
-                for flag in self._to_host:  # the graph never ran: let the host ops through, then forget it all
-                    flag.set()
-                self._settle(thread.wait)
-                for flag in self._to_device:
-                    flag.clear()
+                try:
+                    thread.wait()
+                except BaseException:
+                    pass  # the first error is the one raised
+                self._forget()
                 raise
             self._settle(thread.wait)
 
+    def _launch(self, graph: Callable[[], None], stream: torch.cuda.Stream) -> None:
+        """Launch the graph on `stream`; if that fails, let the host ops through (they compute on what the
+        buffers hold), so that whoever waits for them gets there and sees the error."""
+        try:
+            with torch.cuda.stream(stream):
+                graph()
+        except BaseException:
+            for flag in self._to_host:
+                flag.set()
+            raise
+
     def _settle(self, wait: Callable[[], None]) -> None:
-        """Wait for the host ops; if one failed (they released the graph from there on), let the graph end and
-        forget the hand-overs it made, then raise."""
+        """Wait for the other side; if it failed, forget the step's hand-overs, then raise."""
         try:
             wait()
         except BaseException:
-            torch.cuda.current_stream().synchronize()
-            for flag in self._to_host:
-                flag.clear()
+            self._forget()
             raise
+
+    def _forget(self) -> None:
+        """After a failure (a host op releases the graph from there on; a failed launch lets the host ops
+        through): let the graph end, then clear the hand-overs left set, for the next replay."""
+        torch.cuda.current_stream().synchronize()
+        for flag in (*self._to_host, *self._to_device):
+            flag.clear()
 
     def _run_host_steps(self) -> None:
         with torch.inference_mode():  # thread-local: the host ops write into inference tensors
