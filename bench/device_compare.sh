@@ -61,7 +61,7 @@
 #   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row once per
 #     variant, in the same call, its table in the log: `ggml25` runs on ggml-python built around llama.cpp's ggml
 #     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
-#     --repack-experts, `tNN` uses NN threads, `step-MODE` sets TANDEM_STEP_THREAD=MODE: src/tandem/cuda/graphs.py)
+#     --repack-experts, `tNN` uses NN threads, `step-none` sets TANDEM_STEP_THREAD=none: src/tandem/cuda/graphs.py)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -276,10 +276,10 @@ for k in "${!targets[@]}"; do
   (( rc == 0 )) || status=1
   [[ -f "$OUT/$name/report.md" ]] && cat "$OUT/$name/report.md"
   for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log
-    left=$ab_share
-    if (( left < 40 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
+    left=$ab_share  # a prewarmed row: ~25 s (load 2-3 s, warm-up 2-3 s, 3 reps of pp512 + tg128)
+    if (( left < 25 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
     flags=(-t "$THREADS") path="$PYTHONPATH" step=launch
-    [[ $variant =~ step-([a-z-]+) ]] && step=${BASH_REMATCH[1]}
+    [[ $variant =~ step-([a-z]+) ]] && step=${BASH_REMATCH[1]}
     [[ $variant == *ggml25* ]] && path="$SITE_GGML25:$PYTHONPATH"
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")

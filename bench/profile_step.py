@@ -4,9 +4,8 @@
 
 Placements: cpu-moe, cpu-moe-in-order (the same with the captured step in segments replayed in order, without
 HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the one-graph step gains), cpu-moe-caller-thread (one graph that
-the thread running its host ops launches first: TANDEM_STEP_THREAD=none), cpu-moe-host-ops-thread (the host
-ops on a helper thread: TANDEM_STEP_THREAD=host-ops), cpu-moe-repacked (with --repack-experts), n-cpu-moe-24,
-all. Run the thread arrangements in separate processes: libgomp's teams outlive them (cuda/graphs.py).
+the thread running its host ops launches first: TANDEM_STEP_THREAD=none), cpu-moe-repacked (with
+--repack-experts), n-cpu-moe-24, all.
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
@@ -43,7 +42,6 @@ PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
     "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step in segments, without HostFlags
     "cpu-moe-caller-thread": {"cpu_moe": True},  # one graph, launched by the thread that then runs the host ops
-    "cpu-moe-host-ops-thread": {"cpu_moe": True},  # one graph, its host ops on a helper thread
     "cpu-moe-repacked": {"cpu_moe": True, "repack_experts": True},  # Q4_K experts from repacked copies
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
@@ -346,8 +344,7 @@ def main() -> None:
     summary = []
     for name in a.placements.split(","):
         os.environ[HOST_FLAGS_ENV] = "0" if name.endswith("-in-order") else "1"
-        threads = {"-caller-thread": "none", "-host-ops-thread": "host-ops"}
-        os.environ[STEP_THREAD_ENV] = next((v for k, v in threads.items() if name.endswith(k)), "launch")
+        os.environ[STEP_THREAD_ENV] = "none" if name.endswith("-caller-thread") else "launch"
         start = time.perf_counter()
         with tandem.LLM(a.model, device="cuda", threads=a.threads, n_ctx=2048, **PLACEMENTS[name]) as llm:
             load_s = time.perf_counter() - start
