@@ -5,10 +5,11 @@
 tandem computes CPU experts with the ggml that ggml-python vendors (0.0.45: ggml 0.15.3); llama.cpp's
 `--cpu-moe` runs the ggml of its own tree (llama-cpp-python 0.3.36: ggml 0.25.x). This times the same
 graph -- the gate, up and down `ggml_mul_mat_id` products of one token over `top_k` of the preset's experts,
-Q4_K gate/up and a Q6_K down (the Q4_K_M mix's two down types: `--down Q4_K` for the other) -- through each
-library's own C API, one child process per library (two ggml builds cannot share a process), with the same
-weight bytes, the same routes and `ggml_graph_compute_with_ctx` at the same thread count. Weights are random
-blocks with finite scales, in the library's own (mapped-file-like, not repacked) CPU memory.
+Q4_K gate/up and a Q6_K down (the Q4_K_M mix's two down types: `--down Q4_K` for the other; Q8_0 where the
+down rows are not a multiple of 256, llama-quantize's fallback) -- through each library's own C API, one
+child process per library (two ggml builds cannot share a process), with the same weight bytes, the same
+routes and `ggml_graph_compute_with_ctx` at the same thread count. Weights are random blocks with finite
+scales, in the library's own (mapped-file-like, not repacked) CPU memory.
 
 --lib takes a directory holding libggml-base.so and libggml-cpu.so; the default is ggml-python's and, where
 found, llama-cpp-python's (`$TANDEM_LLAMACPP_LIB` or ~/.cache/tandem/peers/llama_cpp_{cuda,cpu}/llama_cpp/lib).
@@ -37,7 +38,7 @@ PRESETS = {
     "gemma4-26b-a4b": (2816, 704, 128, 8),
 }
 GGML_F32, GGML_I32 = 0, 26
-QUANT = {"Q4_K": 12, "Q6_K": 14}  # ggml type ids
+QUANT = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # ggml type ids
 
 
 def _blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -144,9 +145,12 @@ def main() -> int:
         lib_dir, spec = json.loads(args.child)
         print(json.dumps(_child(lib_dir, spec)))
         return 0
-    spec = {"shape": PRESETS[args.like], "down": args.down, "threads": args.threads, "reps": args.reps}
+    down = args.down
+    if down.endswith("_K") and PRESETS[args.like][1] % 256:  # rows of 256 do not fit: llama-quantize's fallback
+        down = "Q8_0"
+    spec = {"shape": PRESETS[args.like], "down": down, "threads": args.threads, "reps": args.reps}
     print(f"{args.like}: one token, top-{spec['shape'][3]} of {spec['shape'][2]} experts, gate/up Q4_K, "
-          f"down {args.down}, {args.threads} threads, {args.reps} computes")  # fmt: skip
+          f"down {down}, {args.threads} threads, {args.reps} computes")  # fmt: skip
     for lib_dir in args.lib or _default_libs():
         proc = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps([lib_dir, spec])], capture_output=True, text=True
