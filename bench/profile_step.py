@@ -9,7 +9,7 @@ the thread running its host ops launches first: TANDEM_STEP_THREAD=none), cpu-mo
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
-profiler). Also the ggml expert FFN alone at one token, for several thread counts (the CPU's floor).
+profiler). Also every CPU layer's expert FFN alone at one token, for several thread counts (the CPU's floor).
 
 --memory: the same FFN graphs swept over every CPU layer (one token, a fresh random route per layer, as decode
 reads them) with the experts' bytes in different memory: the file mapping as loaded (page-locked for the
@@ -229,34 +229,6 @@ def _kernel_trace(llm: tandem.LLM) -> str:
     return "\n".join(lines)
 
 
-def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
-    """The first CPU-resident layer's expert FFN graph at one token, alone, per thread count."""
-    graphs = _cpu_graphs(llm)
-    if not graphs:
-        return ["(no CPU experts in this placement)"]
-    _, ffn = graphs[0]
-    stacks = [w for w in (ffn.gate, ffn.up, ffn.gate_up, ffn.down) if w is not None]
-    e, a = ffn.down.shape[0], 8
-    bytes_per_call = a * sum(w.data.nbytes for w in stacks) // e
-    lines = []
-    for n in threads:
-        kernels = CPUKernels(n)
-        x = torch.randn(1, stacks[0].shape[2])
-        w = torch.full((1, a), 1.0 / a)
-        reps = 200
-        for i in range(20 + reps):
-            if i == 20:
-                start = time.perf_counter()
-            ids = torch.randperm(e)[:a].view(1, a).int()
-            kernels.gated_experts(x, ffn, ids, w)
-        ms = (time.perf_counter() - start) / reps * 1e3
-        kernels.close()
-        lines.append(
-            f"ggml expert FFN, 1 token, top-{a}, {n} threads: {ms:.3f} ms ({bytes_per_call / ms / 1e6:.1f} GB/s)"
-        )
-    return lines
-
-
 def _sweep_ms(kernels: CPUKernels, ffns: list[ExpertFFN], tokens: int = 24, top_k: int = 8) -> float:
     """ms per token of every layer's expert FFN graph, one after the other, each on a fresh random route."""
     e, d, _ = ffns[0].down.shape
@@ -273,6 +245,21 @@ def _sweep_ms(kernels: CPUKernels, ffns: list[ExpertFFN], tokens: int = 24, top_
         if i >= 4 * len(runs):  # 4 untimed tokens first
             total += time.perf_counter() - start
     return total / tokens * 1e3
+
+
+def _ggml_floor(llm: tandem.LLM, threads: list[int]) -> list[str]:
+    """Every CPU layer's expert FFN graph swept per token, alone (no GPU work, no hand-offs), per thread count:
+    what the decode step's ggml part would cost if nothing else ran. Compare with the step's ggml share."""
+    ffns = [ffn for _, ffn in _cpu_graphs(llm)]
+    if not ffns:
+        return ["(no CPU experts in this placement)"]
+    lines = []
+    for n in threads:
+        kernels = CPUKernels(n)
+        ms = _sweep_ms(kernels, ffns)
+        kernels.close()
+        lines.append(f"ggml expert FFNs alone, 1 token, {len(ffns)} layers, {n} threads: {ms:.2f} ms per token")
+    return lines
 
 
 def _anonymous_copy(ffn: ExpertFFN, huge: bool) -> ExpertFFN:
