@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import mmap
 import os
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -74,20 +75,19 @@ def _decode(llm: tandem.LLM, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
-    """(ggml compute ms per token, step ms per token, ggml computes per token) over n decode steps: the time
-    the CPU spends in ggml's graphs (the experts), measured around `CPUKernels._compute`, which the prepared
-    host ops of the captured step call too."""
-    spent = [0.0]
-    calls = [0]
+def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int, str]:
+    """(ggml compute ms per token, step ms per token, ggml computes per token, how the computes of a token
+    compare) over n decode steps: the time the CPU spends in ggml's graphs (the experts), measured around
+    `CPUKernels._compute`, which the prepared host ops of the captured step call too. The comparison: the
+    median compute among each token's first 4 against the rest, since the graph launch overlaps those."""
+    spent: list[float] = []
     kernels = {id(k): k for k in _cpu_kernels(llm)}.values()
 
     def timed(fn):  # type: ignore[no-untyped-def]
         def run(graph):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
             fn(graph)
-            spent[0] += time.perf_counter() - start
-            calls[0] += 1
+            spent.append(time.perf_counter() - start)
 
         return run
 
@@ -95,13 +95,17 @@ def _host_share(llm: tandem.LLM, n: int) -> tuple[float, float, int]:
         k._compute = timed(k._compute)  # type: ignore[method-assign]
     try:
         rate = _decode(llm, n)
-        # _decode ran 2 untimed steps before the n timed ones (the 64-token prompt streams its experts)
-        per_token_calls = calls[0] / (n + 2)
-        host_ms = spent[0] / (n + 2) * 1e3
     finally:
         for k in kernels:
             del k._compute  # back to CPUKernels._compute
-    return host_ms, 1e3 / rate, round(per_token_calls)
+    # _decode ran 2 untimed steps before the n timed ones (the 64-token prompt streams its experts)
+    per_token = round(len(spent) / (n + 2))
+    host_ms = sum(spent) / (n + 2) * 1e3
+    by_token = [spent[i : i + per_token] for i in range(0, per_token * (n + 2), per_token)][2:]
+    first = statistics.median(t for token in by_token for t in token[:4]) * 1e6
+    rest = statistics.median(t for token in by_token for t in token[4:]) * 1e6
+    spread = f"median ggml compute: {first:.0f} us among each token's first 4, {rest:.0f} us for the rest"
+    return host_ms, 1e3 / rate, per_token, spread
 
 
 def _step_breakdown(llm: tandem.LLM, n: int) -> str:
@@ -350,10 +354,10 @@ def main() -> None:
             print(f"   pp{a.pp} {pp:.1f} tok/s, tg {tg:.1f} tok/s, torch peak {peak} MiB")
             line = f"{name}: pp{a.pp} {pp:.1f} tok/s, tg {tg:.1f} tok/s"
             if llm.model.host_boundaries:
-                host_ms, step_ms, calls = _host_share(llm, a.tg)
+                host_ms, step_ms, calls, spread = _host_share(llm, a.tg)
                 print(
                     f"   decode step {step_ms:.2f} ms: ggml computes {host_ms:.2f} ms ({calls} per token), "
-                    f"the rest (GPU segments, hand-offs, Python) {step_ms - host_ms:.2f} ms"
+                    f"the rest (GPU segments, hand-offs, Python) {step_ms - host_ms:.2f} ms; {spread}"
                 )
                 line += f"; step {step_ms:.2f} ms = ggml {host_ms:.2f} + rest {step_ms - host_ms:.2f}"
                 for floor in _ggml_floor(llm, [int(t) for t in a.floor_threads.split(",")]):
