@@ -227,15 +227,15 @@ class SegmentedGraph:
             flag.clear()
 
     def _run_host_steps(self) -> None:
-        with torch.inference_mode():  # thread-local: the host ops write into inference tensors
-            for i, host_step in enumerate(self.host_steps):
-                try:
-                    host_step()
-                except BaseException:
-                    for flag in self._to_device[i:]:  # release the graph from here on so that it ends
-                        flag.set()
-                    raise
-                self._to_device[i].set()
+        """The host ops in order, on this thread (inside `replay`'s inference mode)."""
+        for i, host_step in enumerate(self.host_steps):
+            try:
+                host_step()
+            except BaseException:
+                for flag in self._to_device[i:]:  # release the graph from here on so that it ends
+                    flag.set()
+                raise
+            self._to_device[i].set()
 
 
 class DecodeGraph:
