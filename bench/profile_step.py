@@ -301,22 +301,24 @@ def _expert_memory(llm: tandem.LLM, threads: int) -> list[str]:
     small = [_anonymous_copy(f, huge=False) for f in ffns]
     huge = [_anonymous_copy(f, huge=True) for f in ffns]
     lines = [f"after the copies: {_huge_pages()}"]
+
+    def sweep(round_: int, name: str, sets: list[ExpertFFN]) -> None:
+        ms = _sweep_ms(kernels, sets)
+        lines.append(f"round {round_}: {name}: {ms:.2f} ms/token ({per_token / ms / 1e6:.1f} GB/s), "
+                     f"{ms / len(ffns) * 1e3:.0f} us/layer")  # fmt: skip
+
     memories = {"file mapping, page-locked (as loaded)": ffns, "anonymous, 4 KiB pages": small,
                 "anonymous, huge pages": huge}  # fmt: skip
     for round_ in range(2):
         for name, sets in memories.items():
-            ms = _sweep_ms(kernels, sets)
-            lines.append(f"round {round_}: {name}: {ms:.2f} ms/token ({per_token / ms / 1e6:.1f} GB/s), "
-                         f"{ms / len(ffns) * 1e3:.0f} us/layer")  # fmt: skip
+            sweep(round_, name, sets)
     with warnings.catch_warnings():  # isinstance on every object wakes torch's deprecated aliases
         warnings.simplefilter("ignore")
         pins = [o for o in gc.get_objects() if isinstance(o, HostRegistration)]
     for pin in pins:
         pin.close()
     for round_ in range(2):
-        ms = _sweep_ms(kernels, ffns)
-        lines.append(f"round {round_}: file mapping, {len(pins)} registration(s) closed: {ms:.2f} ms/token "
-                     f"({per_token / ms / 1e6:.1f} GB/s), {ms / len(ffns) * 1e3:.0f} us/layer")  # fmt: skip
+        sweep(round_, f"file mapping, {len(pins)} registration(s) closed", ffns)
     kernels.close()
     return lines
 
