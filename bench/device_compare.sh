@@ -62,6 +62,8 @@
 #     variant, in the same call, its table in the log: `ggml25` runs on ggml-python built around llama.cpp's ggml
 #     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
 #     --repack-experts, `tNN` uses NN threads, `step-none` sets TANDEM_STEP_THREAD=none: src/tandem/cuda/graphs.py)
+#   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
+#     costs, per thread arrangement)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -239,6 +241,10 @@ if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # qui
       sed "s|$ggml_lib|tandem's ggml-python|; s|$SITE_GGML25/ggml/lib|ggml-python on ggml 0.25.3|;
            s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
   done
+fi
+
+if [[ "${HANDOFF:-0}" == 1 && "$DEVICE" != cpu ]]; then  # quiet machine: nothing else runs
+  "$PY" bench/handoff.py 2>&1 | tail -5
 fi
 
 # -- 2. the matrix, model by model --------------------------------------------------------------------------
