@@ -52,6 +52,26 @@ def test_matmul_matches_reference(kernels: CPUKernels, qtype: Q) -> None:
         check(y, x.double() @ wd.T, activation_as_ggml_sees_it(x, qtype) @ wd.T, qtype)
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_get_rows_equals_tandems_own_decoding(kernels: CPUKernels, qtype: Q) -> None:
+    """ggml's row lookup (the token embedding of a table in host RAM) gives tandem's dequantization of those
+    rows bit for bit, repeated and out-of-order ids included; ids outside the table are refused, not fatal."""
+    from tandem.quant.dequant import dequantize_rows
+    from tandem.quant.ggml_weights import lookup_supported
+
+    rng = np.random.default_rng(300 + int(qtype))
+    n, k = 64, 512
+    w = GGMLWeight(random_weight_bytes(qtype, (n, k), rng), qtype, (n, k))
+    assert lookup_supported(qtype)
+    for rows in ([5], [63, 0, 17, 17], list(range(n))):
+        ids = torch.tensor(rows)
+        want = dequantize_rows(torch.from_numpy(w.data), qtype, (n, k), ids)
+        assert torch.equal(kernels.get_rows(w, ids), want), (qtype.name, rows)
+    assert kernels.get_rows(w, torch.tensor([], dtype=torch.long)).shape == (0, k)
+    with pytest.raises(ValueError, match="row ids must be in"):
+        kernels.get_rows(w, torch.tensor([n]))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q5_1, Q.MXFP4, Q.F32], ids=lambda q: q.name)
 def test_mul_mat_id_matches_per_token_reference(kernels: CPUKernels, qtype: Q) -> None:
     rng = np.random.default_rng(100 + int(qtype))

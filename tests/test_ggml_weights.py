@@ -105,6 +105,21 @@ def _loader(info: TensorInfo, compute_device: str) -> WeightLoader:
     return WeightLoader(SimpleNamespace(tensors={info.name: info}), plan, CPUKernels(1))  # type: ignore[arg-type]
 
 
+def test_an_embedding_table_in_host_ram_is_looked_up_by_ggml() -> None:
+    """The token embedding of a table the plan keeps in host RAM (always on the CPU; llama.cpp's choice with a
+    GPU too) is ggml's row lookup, with tandem's decoding's values."""
+    from tandem.quant.dequant import dequantize_rows
+
+    rng = np.random.default_rng(15)
+    data = random_weight_bytes(Q.Q4_K, (32, 256), rng)
+    info = TensorInfo("token_embd.weight", Q.Q4_K, (32, 256), data, 0)
+    embedding = _loader(info, "cpu").embedding(info.name)
+    assert embedding.kernels is not None
+    ids = torch.tensor([[3, 31], [0, 3]])
+    want = dequantize_rows(torch.from_numpy(data), Q.Q4_K, (32, 256), ids)
+    assert torch.equal(embedding(ids), want)
+
+
 def test_loader_prepares_the_matrices_of_cpu_models_only() -> None:
     """A CPU model's matrices are held as llama.cpp's CPU backend holds them; a GPU model's CPU matrices
     (host linears) stay plain."""

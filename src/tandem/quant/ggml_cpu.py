@@ -54,7 +54,7 @@ _graph_compute = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p
 class _Graph:
     """A cached one-node ggml graph; the tensors' `data` pointers are filled in at each call."""
 
-    __slots__ = ("ctx", "graph", "w", "x", "ids", "out")
+    __slots__ = ("ctx", "graph", "w", "x", "ids", "out")  # x: the activations, or a lookup's row ids
 
     def __init__(self, ctx: int, graph: int, w: ggml.ggml_tensor, x: ggml.ggml_tensor,
                  ids: ggml.ggml_tensor | None, out: ggml.ggml_tensor) -> None:  # fmt: skip
@@ -222,6 +222,25 @@ class CPUKernels:
             g.out.data = y.data_ptr()
             self._compute(g.graph)
         # x, y and w were referenced by locals throughout the (synchronous) compute.
+        return y
+
+    def get_rows(self, w: GGMLWeight, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` of the (N, K) matrix w as float32 [T, K], decoded by ggml (`ggml_get_rows`, llama.cpp's
+        token-embedding lookup: its CPU dequantization, in one C call). rows: T integer ids in [0, N)."""
+        n, k = w.shape
+        ids = rows.to(device="cpu", dtype=torch.int32).contiguous().view(-1)
+        _check_ids(ids, n, "row")
+        t = ids.numel()
+        y = torch.empty(t, k, dtype=torch.float32)
+        if t == 0:
+            return y
+        key = (4, int(w.qtype), n, k, t)
+        with self._lock:
+            g = self._cached(key, lambda: self._build(key, w.qtype, (k, n), (t,), None, lookup=True))
+            g.w.data = w.ptr
+            g.x.data = ids.data_ptr()
+            g.out.data = y.data_ptr()
+            self._compute(g.graph)
         return y
 
     def geglu(self, x: torch.Tensor, gate: GGMLWeight, up: GGMLWeight) -> torch.Tensor:
@@ -506,15 +525,17 @@ class CPUKernels:
         x_ne: tuple[int, ...],
         ids_ne: tuple[int, int] | None,
         repacked: RepackedTensor | None = None,
+        lookup: bool = False,
     ) -> _Graph:
         """Build and cache the graph for one problem shape (ne in ggml order). Caller holds the lock.
 
         With `repacked`, the weight tensor stands for repacked copies: it carries one's buffer and layout
         from here on (so that the backend is asked about the product it will run), and each call points it
-        at the copy it multiplies."""
+        at the copy it multiplies. With `lookup`, the graph is a row lookup (`ggml_get_rows`) and x holds the
+        int32 row ids, x_ne their count."""
         if self._backend is None:
             raise RuntimeError("CPUKernels is closed")
-        if not mul_mat_supported(qtype):
+        if not lookup and not mul_mat_supported(qtype):
             raise UnsupportedModelError(f"this ggml build has no CPU matrix product for {qtype.name}")
         mem = ggml.ggml_tensor_overhead() * _GRAPH_NODES + ggml.ggml_graph_overhead_custom(_GRAPH_NODES, False)
         # no_alloc: tensors get no memory of their own; their data pointers are set per call.
@@ -525,15 +546,20 @@ class CPUKernels:
             w_t = new_tensor(ctx, int(qtype), w_ne)
             if repacked is not None:
                 point_tensor(w_t.contents, 0, repacked)
-            x_t = new_tensor(ctx, ggml.GGML_TYPE_F32, x_ne)
-            if ids_ne is None:
+            x_t = (ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_I32, x_ne[0]) if lookup
+                   else new_tensor(ctx, ggml.GGML_TYPE_F32, x_ne))  # fmt: skip
+            if lookup:
+                ids_t = None
+                out_t = ggml.ggml_get_rows(ctx, w_t, x_t)
+            elif ids_ne is None:
                 ids_t = None
                 out_t = ggml.ggml_mul_mat(ctx, w_t, x_t)
             else:
                 ids_t = new_tensor(ctx, ggml.GGML_TYPE_I32, ids_ne)
                 out_t = ggml.ggml_mul_mat_id(ctx, w_t, x_t, ids_t)
             if not ggml.ggml_backend_supports_op(self._backend, out_t):
-                raise UnsupportedModelError(f"the ggml CPU backend does not support this product for {qtype.name}")
+                what = "row lookup" if lookup else "product"
+                raise UnsupportedModelError(f"the ggml CPU backend does not support this {what} for {qtype.name}")
             # The output must be contiguous f32 so that it can alias a torch tensor.
             if out_t.contents.type != ggml.GGML_TYPE_F32 or not ggml.ggml_is_contiguous(out_t):
                 raise RuntimeError("unexpected ggml output layout")
@@ -557,11 +583,13 @@ class CPUKernels:
         return g
 
 
-def _check_ids(ids: torch.Tensor, n_experts: int) -> None:
-    """ggml aborts the whole process on an out-of-range expert id: refuse it here instead."""
+def _check_ids(ids: torch.Tensor, n: int, what: str = "expert") -> None:
+    """ggml aborts the whole process on an out-of-range expert or row id: refuse it here instead."""
+    if ids.numel() == 0:
+        return
     lo, hi = torch.aminmax(ids)
-    if int(lo) < 0 or int(hi) >= n_experts:
-        raise ValueError(f"expert ids must be in [0, {n_experts}), got range [{int(lo)}, {int(hi)}]")
+    if int(lo) < 0 or int(hi) >= n:
+        raise ValueError(f"{what} ids must be in [0, {n}), got range [{int(lo)}, {int(hi)}]")
 
 
 def check_gate_up(owner: str, gate: object | None, up: object | None, gate_up: object | None) -> None:

@@ -34,8 +34,8 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.quant.ggml_tiled import TiledQ6K, tiled_product
 
-__all__ = ["GGMLWeight", "RepackedTensor", "mul_mat_supported", "prepare_cpu_weight", "repack_experts",
-           "point_weight", "point_tensor", "new_tensor"]  # fmt: skip
+__all__ = ["GGMLWeight", "RepackedTensor", "lookup_supported", "mul_mat_supported", "prepare_cpu_weight",
+           "repack_experts", "point_weight", "point_tensor", "new_tensor"]  # fmt: skip
 
 
 def mul_mat_supported(qtype: GGMLQuantizationType) -> bool:
@@ -45,6 +45,17 @@ def mul_mat_supported(qtype: GGMLQuantizationType) -> bool:
     except (ValueError, OSError):
         return False
     return bool(traits.vec_dot)
+
+
+def lookup_supported(qtype: GGMLQuantizationType) -> bool:
+    """Whether ggml's CPU row lookup (`ggml_get_rows`) decodes `qtype`: float32, or a type with a decoder."""
+    if qtype == GGMLQuantizationType.F32:
+        return True
+    try:
+        traits = ggml.ggml_get_type_traits(int(qtype)).contents
+    except (ValueError, OSError):
+        return False
+    return bool(traits.to_float)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: identity equality/hash (ndarray fields do not compare)
