@@ -1,4 +1,4 @@
-"""Time ggml's CPU product on Q4_K blocks against torch on the dequantized float32 weight.
+"""Time ggml's CPU product on Q4_K blocks against torch on the dequantized float32 weight, and a row lookup.
 
     python bench/cpu_matmul.py [--threads 2] [--n 2048] [--k 2048]
 
@@ -23,6 +23,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from tandem.quant import ggml_cpu
+from tandem.quant.dequant import dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
 
@@ -107,6 +108,14 @@ def main() -> None:
     )
     for name, fn in overhead:
         rows.append(("32x32 T=1 (overhead)", name, median_time(fn) * 1e6, "", ""))
+    # One token's embedding row from a Q4_K table in host RAM (the decode step's lookup, runtime/loader.py).
+    one = torch.tensor([7])
+    lookups = (
+        ("ggml get_rows", lambda: kernels.get_rows(w, one)),
+        ("tandem dequantize_rows (torch)", lambda: dequantize_rows(torch.from_numpy(w.data), Q.Q4_K, w.shape, one)),
+    )
+    for name, fn in lookups:
+        rows.append((f"{args.n}x{args.k} 1 row", name, median_time(fn) * 1e6, "", ""))
     kernels.close()
 
     # torch and ggml share one libgomp; its wait policy (read once, when it loads) decides whether a
