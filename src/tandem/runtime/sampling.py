@@ -113,6 +113,16 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        # The draw runs where the logits are, and torch draws only with a generator of that device: one per
+        # device, seeded like the CPU's (the same seed gives the same tokens on one device, not across them).
+        self._generators = {torch.device("cpu"): self.generator}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+            generator.manual_seed(self.params.seed if self.params.seed is not None else self.generator.initial_seed())
+        return generator
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         logits = logits.float()
@@ -121,4 +131,4 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)).item())
