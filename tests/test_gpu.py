@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -286,3 +287,30 @@ def test_sampling_on_the_gpu(tiny_qwen3moe_gguf: tuple[Path, Path], name: str) -
         vocab = llm.model.cfg.n_vocab
     assert runs[0] == runs[1], runs
     assert all(0 <= t < vocab for t in runs[0])
+
+
+# -ot moves single tensors: a layer's attention projection (a HostLinear: a host op of the captured step that is
+# not an expert) and one projection of every layer's experts (the other two stay on the GPU).
+OVERRIDES = {
+    "ot-attn-q": [r"blk\.0\.attn_q\.weight=cpu"],
+    "ot-down-exps": [r"ffn_down_exps=cpu"],
+}
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["captured", "eager"])
+@pytest.mark.parametrize("name", list(OVERRIDES))
+def test_override_tensor_placements_greedy_identical(
+    tiny_qwen3moe_gguf: tuple[Path, Path], name: str, graphs: bool
+) -> None:
+    """`-ot` placements on a GPU give device=cpu's greedy tokens (f32), with the decode step captured or not, and
+    the overridden tensors are where the override put them."""
+    path = tiny_qwen3moe_gguf[1]
+    prompt = _prompt(40, 4)  # >= 32 tokens: the prefill streams what it can
+    ref = _greedy(path, prompt, device="cpu")
+    flags = {"device": "cuda", "override_tensor": OVERRIDES[name], "cuda_graphs": graphs}
+    with tandem.LLM(path, cache_type="f32", dtype="f32", threads=4, n_ctx=512, **flags) as llm:
+        patterns = [o.rsplit("=", 1)[0] for o in OVERRIDES[name]]
+        matched = {n for n in llm.plan.devices if any(re.search(p, n) for p in patterns)}
+        assert matched and all(llm.plan.devices[n] == "cpu" for n in matched), llm.plan.devices
+        got = llm.generate_ids(prompt, max_tokens=16, temperature=0)
+    assert got == ref, _first_difference(got, ref)
