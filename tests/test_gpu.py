@@ -74,18 +74,22 @@ def test_dense_models_greedy_identical_on_gpu(fixture: str, request: pytest.Fixt
     assert _greedy(path, prompt, device="cuda") == _greedy(path, prompt, device="cpu")
 
 
-def test_bf16_logits_close_across_placements(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+# A few layers of roundings, not more: bf16 keeps 8 significant bits (2^-8 = 4e-3 per rounding), f16 11 (5e-4).
+HALF_TOLERANCE = {"bf16": 2e-2, "f16": 5e-3}
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TOLERANCE))
+def test_half_logits_close_across_placements(tiny_qwen3moe_gguf: tuple[Path, Path], dtype: str) -> None:
     path = tiny_qwen3moe_gguf[1]
     ids = list(range(5, 45))
     with tandem.LLM(path, device="cpu", cache_type="f32") as llm:
         ref = llm.logits(ids)
     for name in ("all-gpu", "cpu-moe", "n-cpu-moe-1"):
-        with tandem.LLM(path, dtype="bf16", **PLACEMENTS[name]) as llm:
+        with tandem.LLM(path, dtype=dtype, **PLACEMENTS[name]) as llm:
             got = llm.logits(ids)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        print(f"{name}: relative L2 error of bf16 logits {rel:.2e}")
-        # bf16 keeps 8 significant bits (2^-8 = 4e-3 per rounding); a few layers of them, not more.
-        assert rel < 2e-2, (name, rel)
+        print(f"{name}: relative L2 error of {dtype} logits {rel:.2e}")
+        assert rel < HALF_TOLERANCE[dtype], (name, rel)
 
 
 @pytest.mark.parametrize("name", ["all-gpu", "cpu-moe"])
