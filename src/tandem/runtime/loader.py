@@ -7,6 +7,7 @@ read back from the weights themselves (`placed`), not from the flags.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,17 +46,19 @@ class QuantEmbedding:
     info: TensorInfo
     out_device: torch.device
     out_dtype: torch.dtype
-    # In host RAM: ggml looks the rows up (llama.cpp's get_rows, one C call: ~25 µs for a Q4_K row on a 2-vCPU
-    # Xeon, where the torch decoder took ~165 µs, on the decode step's critical path). Same values bit for bit.
+    # In host RAM: ggml looks the rows up (llama.cpp's get_rows, one C call: 20.5 µs for a 2048-wide Q4_K row on
+    # a 2-vCPU Xeon where the torch decoder took 252.8, bench/cpu_matmul.py; on the decode step's critical path).
+    # Same values bit for bit.
     kernels: CPUKernels | None = None
 
     def __post_init__(self) -> None:
-        info = self.info
-        self._table = GGMLWeight(info.data, info.qtype, info.shape) if self.kernels is not None else None
+        info, kernels = self.info, self.kernels
+        table = GGMLWeight(info.data, info.qtype, info.shape) if kernels is not None else None
+        self._lookup = functools.partial(kernels.get_rows, table) if kernels is not None else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and self._table is not None:
-            rows = self.kernels.get_rows(self._table, ids).view(*ids.shape, -1)
+        if self._lookup is not None:
+            rows = self._lookup(ids).view(*ids.shape, -1)
         else:
             rows = dequantize_rows(self.data, self.info.qtype, self.info.shape, ids.to(self.data.device))
         return rows.to(self.out_device, self.out_dtype)
