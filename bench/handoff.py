@@ -4,12 +4,14 @@
 
 A chain of `--ops` host ops, each fed by a small GPU op on the previous one's result ([1, width] bf16 + 1, as a
 layer feeds its experts) and doing no work on the host (it hands its input back), captured the way the decode
-step is (cuda/graphs.py SegmentedGraph over runtime/offload.py HostCall), in each arrangement:
-`launch` (one graph, a launcher thread, the host ops on this thread: the default), `none` (one graph launched
-by this thread first, TANDEM_STEP_THREAD=none) and `segments` (a graph per segment, replayed in order with the
-host ops between: TANDEM_HOST_FLAGS=0). The same chain without host ops, as one graph, is the floor. Prints µs
-per step and, over the floor, per hand-off: the per-layer price a `--cpu-moe` decode pays on top of ggml and the
-GPU's kernels (Qwen3.6-35B-A3B has 40 per token).
+step is (cuda/graphs.py SegmentedGraph over runtime/offload.py HostCall), in each arrangement of
+TANDEM_STEP_LAUNCH: `ahead` (a graph per host op, launched two ahead by this thread, which runs the host ops: the
+default), `thread` (one graph, launched by a helper thread), `first` (one graph, launched by this thread
+first), and `segments` (a graph per host op, replayed in order with the host ops between: TANDEM_HOST_FLAGS=0).
+The same chain without host ops, as one graph, is the floor. Prints µs per step and, over the floor, per
+hand-off: the per-layer price a `--cpu-moe` decode pays on top of ggml and the GPU's kernels (Qwen3.6-35B-A3B
+has 40 per token). Here the GPU's part between two host ops is one small kernel, shorter than a launch, so
+`ahead` cannot hide its launches as it does in a model's layer.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import time
 
 import torch
 
-from tandem.cuda.graphs import STEP_THREAD_ENV, SegmentedGraph
+from tandem.cuda.graphs import STEP_LAUNCH_ENV, SegmentedGraph
 from tandem.runtime.offload import HOST_FLAGS_ENV, HostCall
 
-ARRANGEMENTS = {"launch": ("launch", "1"), "none": ("none", "1"), "segments": ("launch", "0")}
+ARRANGEMENTS = {"ahead": ("ahead", "1"), "thread": ("thread", "1"), "first": ("first", "1"), "segments": ("ahead", "0")}
 
 
 def _timed(replay: object, reps: int) -> float:
@@ -41,8 +43,8 @@ def _timed(replay: object, reps: int) -> float:
 
 @torch.inference_mode()
 def _chain(n_ops: int, width: int, reps: int, with_host: bool) -> tuple[float, bool]:
-    """(µs per replayed step, whether it was one graph) for a chain of n_ops GPU ops, each handing off to the
-    host when `with_host`."""
+    """(µs per replayed step, whether its host ops handed over through flags) for a chain of n_ops GPU ops,
+    each handing off to the host when `with_host`."""
     x = torch.zeros(1, width, device="cuda", dtype=torch.bfloat16)
     hosts = [HostCall(lambda xs: xs[0]) for _ in range(n_ops)] if with_host else []
 
@@ -60,7 +62,7 @@ def _chain(n_ops: int, width: int, reps: int, with_host: bool) -> tuple[float, b
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want), "the replayed chain differs from the eager one"
-    return _timed(graph.replay, reps), graph.one_graph
+    return _timed(graph.replay, reps), graph.uses_flags
 
 
 def main() -> None:
@@ -71,10 +73,10 @@ def main() -> None:
     a = p.parse_args()
     floor, _ = _chain(a.ops, a.width, a.reps, with_host=False)
     print(f"{a.ops} GPU ops, no host ops (one graph): {floor:.0f} us per step")
-    for name, (thread, flags) in ARRANGEMENTS.items():
-        os.environ[STEP_THREAD_ENV], os.environ[HOST_FLAGS_ENV] = thread, flags
-        us, one = _chain(a.ops, a.width, a.reps, with_host=True)
-        shape = "one graph" if one else "segments"
+    for name, (launch, flags) in ARRANGEMENTS.items():
+        os.environ[STEP_LAUNCH_ENV], os.environ[HOST_FLAGS_ENV] = launch, flags
+        us, by_flags = _chain(a.ops, a.width, a.reps, with_host=True)
+        shape = "flags" if by_flags else "in order"
         print(f"{a.ops} host ops, {name} ({shape}): {us:.0f} us per step, {(us - floor) / a.ops:.1f} us per hand-off")
 
 

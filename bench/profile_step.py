@@ -3,8 +3,9 @@
     python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
 
 Placements: cpu-moe, cpu-moe-in-order (the same with the captured step in segments replayed in order, without
-HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the one-graph step gains), cpu-moe-caller-thread (one graph that
-the thread running its host ops launches first: TANDEM_STEP_THREAD=none), cpu-moe-repacked (with
+HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the hand-over through flags gains), cpu-moe-launch-thread and
+cpu-moe-launch-first (one graph, launched by a helper thread or first by the thread running the host ops, instead
+of a graph per host op launched ahead: TANDEM_STEP_LAUNCH, src/tandem/cuda/graphs.py), cpu-moe-repacked (with
 --repack-experts), n-cpu-moe-24, all.
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 import tandem
-from tandem.cuda.graphs import STEP_THREAD_ENV
+from tandem.cuda.graphs import STEP_LAUNCH_ENV
 from tandem.cuda.host_memory import HostRegistration
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
 from tandem.quant.ggml_weights import GGMLWeight
@@ -42,7 +43,8 @@ from tandem.runtime.offload import HOST_FLAGS_ENV
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
     "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step in segments, without HostFlags
-    "cpu-moe-caller-thread": {"cpu_moe": True},  # one graph, launched by the thread that then runs the host ops
+    "cpu-moe-launch-thread": {"cpu_moe": True},  # one graph, launched by a helper thread
+    "cpu-moe-launch-first": {"cpu_moe": True},  # one graph, launched by the thread that then runs the host ops
     "cpu-moe-repacked": {"cpu_moe": True, "repack_experts": True},  # Q4_K experts from repacked copies
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
@@ -124,12 +126,12 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     def timed_graph(step):  # type: ignore[no-untyped-def]
         def run() -> None:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if not graph.one_graph:
+            if not graph.uses_flags:
                 begin.record()
             start = time.perf_counter()
             step()
             launch[0] += time.perf_counter() - start
-            if not graph.one_graph:
+            if not graph.uses_flags:
                 end.record()
                 events.append((begin, end))
 
@@ -157,7 +159,7 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     _sync()
     per = n + 2  # _decode replays 2 untimed steps before the n timed ones
     line = (
-        f"decode step {step_ms:.2f} ms ({'one graph, flags' if graph.one_graph else 'segments in order'}): "
+        f"decode step {step_ms:.2f} ms ({'flags' if graph.uses_flags else 'segments in order'}): "
         f"{n_graphs} graph(s) and {n_host} host steps per token; launching {launch[0] / per * 1e3:.2f} ms (CPU), "
         f"host steps (wait for the GPU + ggml) {host[0] / per * 1e3:.2f} ms"
     )
@@ -337,7 +339,7 @@ def main() -> None:
     summary = []
     for name in a.placements.split(","):
         os.environ[HOST_FLAGS_ENV] = "0" if name.endswith("-in-order") else "1"
-        os.environ[STEP_THREAD_ENV] = "none" if name.endswith("-caller-thread") else "launch"
+        os.environ[STEP_LAUNCH_ENV] = name.split("-launch-")[1] if "-launch-" in name else "ahead"
         start = time.perf_counter()
         with tandem.LLM(a.model, device="cuda", threads=a.threads, n_ctx=2048, **PLACEMENTS[name]) as llm:
             load_s = time.perf_counter() - start

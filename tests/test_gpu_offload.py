@@ -97,16 +97,18 @@ def test_host_call_without_overlap_is_exact_in_graph() -> None:
     assert ref.shape == (1, 1)
 
 
-@pytest.mark.parametrize("thread_mode", ["launch", "none"])
-def test_one_graph_replay_survives_a_failing_host_step(thread_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The step is one graph that waits on the device for each host step's flag: a host step that fails must
-    still release it and the ones after it (else the stream waits for ever), and the next replay is exact,
-    whichever thread launches the graph and runs the host steps (TANDEM_STEP_THREAD)."""
+@pytest.mark.parametrize("launch_mode", ["ahead", "thread", "first"])
+def test_flag_replay_survives_a_failing_host_step(launch_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphs wait on the device for each host step's flag: a host step that fails must still release them
+    and the ones after it (else the stream waits for ever), and the next replay is exact, however the graphs
+    are launched (TANDEM_STEP_LAUNCH: a graph per host op launched ahead, or one graph) and with the host steps
+    on the calling thread. Three host steps in a chain, the middle one failing: launched ahead, the graphs after
+    it are launched or not yet when it fails."""
     import threading
 
-    from tandem.cuda.graphs import STEP_THREAD_ENV, SegmentedGraph
+    from tandem.cuda.graphs import STEP_LAUNCH_ENV, SegmentedGraph
 
-    monkeypatch.setenv(STEP_THREAD_ENV, thread_mode)
+    monkeypatch.setenv(STEP_LAUNCH_ENV, launch_mode)
     from tandem.runtime.offload import HostCall
 
     fail = [False]
@@ -114,32 +116,40 @@ def test_one_graph_replay_survives_a_failing_host_step(thread_mode: str, monkeyp
 
     def double(xs: list[torch.Tensor]) -> torch.Tensor:
         ran_on.append(threading.current_thread().name)
-        if fail[0]:
-            raise RuntimeError("host step failed")
         return xs[0] * 2
 
-    host = HostCall(double)
+    def double_or_fail(xs: list[torch.Tensor]) -> torch.Tensor:
+        if fail[0]:
+            raise RuntimeError("host step failed")
+        return double(xs)
+
+    hosts = [HostCall(double), HostCall(double_or_fail), HostCall(double)]
     x = torch.arange(8, dtype=torch.float32, device="cuda").view(2, 4)
 
     def step() -> torch.Tensor:
-        return host([x], x.shape, x.dtype) + 1
+        h = x
+        for host in hosts:
+            h = host([h + 1], x.shape, x.dtype)
+        return h
 
-    step()  # eager: makes the buffers and the flag
+    step()  # eager: makes the buffers and the flags
     graph = SegmentedGraph()
-    out = graph.capture(step, [host])
-    assert graph.one_graph, "this driver should run the stream memory operations HostFlag uses"
+    out = graph.capture(step, hosts)
+    assert graph.uses_flags, "this driver should run the stream memory operations HostFlag uses"
+    assert len(graph.steps) == (4 if launch_mode == "ahead" else 1)
     fail[0] = True
     with pytest.raises(RuntimeError, match="host step failed"):
         graph.replay()
     done = threading.Event()
     threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
-    assert done.wait(10), "the graph after the failed host step still waits for its flag"
+    assert done.wait(10), "the graphs after the failed host step still wait for their flags"
     fail[0] = False
-    x.add_(1)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, x * 2 + 1)
-    assert ran_on[-1] == threading.current_thread().name  # ggml's OpenMP team stays the caller's (cuda/graphs.py)
+    for k in range(3):
+        x.add_(k)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, (((x + 1) * 2 + 1) * 2 + 1) * 2)
+    assert set(ran_on) == {threading.current_thread().name}  # ggml's OpenMP team stays the caller's (cuda/graphs.py)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K], ids=str)

@@ -5,21 +5,26 @@ captured once and replayed. Where the step must run host code -- experts that th
 RAM -- the capture is split: replay runs graph 0, host op 0, graph 1, ..., so the plan is obeyed in
 the captured path exactly as in the eager one (the host ops are the same objects the eager path calls).
 
-When every host op hands over through HostFlags (cuda/host_memory.py), the step is ONE graph: at each host
-op it sets the op's to-host flag and waits on the device for its to-device flag, and the replay launches
-it once and runs the host ops in order while it runs (each spins on its to-host flag, computes, sets its
-to-device flag). No launch per layer (~40-55 µs each, 48 per token on Qwen3-30B-A3B with --cpu-moe, measured
-on an H200 host with the per-layer segments), no event round trip. Launching the one graph (~1,000 nodes)
-takes ~1.2 ms of CPU (H200 host, 13:40), which the first host op would otherwise wait out: a helper thread
-(one per process) launches it while the calling thread runs the host ops.
+When every host op hands over through HostFlags (cuda/host_memory.py), the graph never waits on the host's
+side of a launch: at each host op it sets the op's to-host flag and waits on the device for its to-device
+flag, and the host runs the op in between (spin on the first flag, compute, set the second). No event round
+trip, and the launches leave the critical path. How the step's graphs are launched is TANDEM_STEP_LAUNCH:
+
+- `ahead` (the default): a graph per host op (cut where the graph waits for the op's result), launched two
+  ahead by the thread that runs the host ops: after host op i it launches graph i + 2 while the GPU runs graph
+  i + 1, time it would otherwise spend spinning on a flag. A launch costs ~1 µs per node (~30 per layer), less
+  than the GPU's part of a layer, so the launches hide in it;
+- `thread`: one graph (~1,000 nodes, ~2 ms of CPU to launch on an H200 host, 17:20), launched by a helper
+  thread while the calling thread runs the host ops. That helper is a 17th runnable thread beside ggml's 16;
+- `first`: one graph that the calling thread launches before it runs the host ops, the first of which waits
+  out the launch.
 
 The host ops stay on the calling thread because ggml computes through OpenMP, in the libgomp torch loads:
 libgomp keeps a team of worker threads per thread that starts parallel regions, and once its threads
 outnumber the CPUs it cuts every barrier's spin to ~100 iterations and puts waiting threads to sleep. A second
 team (ggml's on a helper thread beside the one torch and the eager host ops made on the caller's) made every
 barrier of every expert graph a futex sleep and wake-up: Qwen3-30B-A3B --cpu-moe decoded 25.9 tok/s with the
-host ops on the helper thread and 35.7 with them on the caller's (same H200 host, 15:58). TANDEM_STEP_THREAD=none,
-for measuring: the caller launches the graph, then runs the host ops (37.5 tok/s in that call).
+host ops on the helper thread and 35.7 with them on the caller's (same H200 host, 15:58).
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from tandem.runtime.kv_cache import KVCache
 if TYPE_CHECKING:
     from tandem.cuda.host_memory import HostFlag
 
-STEP_THREAD_ENV = "TANDEM_STEP_THREAD"  # launch (default) or none: see the module docstring
-STEP_THREAD_MODES = ("launch", "none")
+STEP_LAUNCH_ENV = "TANDEM_STEP_LAUNCH"  # see the module docstring
+STEP_LAUNCH_MODES = ("ahead", "thread", "first")
+LAUNCH_AHEAD = 2  # graphs launched before the first host op runs: the one it waits for and the next
 
 
 class _Launcher:
@@ -100,25 +106,28 @@ class HostBoundary(Protocol):
 
 
 class SegmentedGraph:
-    """One captured step: one graph with host steps that hand over through HostFlags while it runs, or
-    (without flags) graphs and the host steps between them, replayed in order."""
+    """One captured step: graphs whose host steps hand over through HostFlags while they run (TANDEM_STEP_LAUNCH
+    says how they are launched), or (without flags) graphs and the host steps between them, replayed in order."""
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        self.steps: list[Callable[[], object]] = []  # graph, host step, graph, ..., graph (split captures)
-        self.host_steps: list[Callable[[], object]] = []  # run while the one graph runs (flag captures)
+        # Split captures: graph, host step, graph, ..., graph. Flag captures: the graphs only (one, or one more
+        # than the host steps when launched ahead), with the host steps in `host_steps`.
+        self.steps: list[Callable[[], object]] = []
+        self.host_steps: list[Callable[[], object]] = []  # run while the graphs run (flag captures)
         self._to_host: list[HostFlag] = []
         self._to_device: list[HostFlag] = []
         self._current: torch.cuda.CUDAGraph | None = None
-        self._thread_mode = os.environ.get(STEP_THREAD_ENV, "launch")  # read once, not at every token
-        if self._thread_mode not in STEP_THREAD_MODES:
+        self._split = False
+        self._launch_mode = os.environ.get(STEP_LAUNCH_ENV, "ahead")  # read once, not at every token
+        if self._launch_mode not in STEP_LAUNCH_MODES:
             raise ValueError(
-                f"{STEP_THREAD_ENV} must be one of {', '.join(STEP_THREAD_MODES)}, not {self._thread_mode!r}"
+                f"{STEP_LAUNCH_ENV} must be one of {', '.join(STEP_LAUNCH_MODES)}, not {self._launch_mode!r}"
             )
 
     @property
-    def one_graph(self) -> bool:
-        """Whether the step is one graph with its host steps handing over through flags."""
+    def uses_flags(self) -> bool:
+        """Whether the host steps hand over through flags while the graphs run (else: replayed in order)."""
         return bool(self.host_steps)
 
     def _begin(self) -> None:
@@ -153,7 +162,7 @@ class SegmentedGraph:
         finally:
             for b in boundaries:
                 b.segments = None
-        if self.host_steps and len(self.steps) > 1:
+        if self.host_steps and self._split:
             raise RuntimeError("a captured step mixes host ops with and without flags")
         torch.cuda.current_stream().wait_stream(stream)
         return out
@@ -161,17 +170,22 @@ class SegmentedGraph:
     def split(self, host_step: Callable[[], object]) -> None:
         """Called by a host op without flags during capture: end the graph so far; replay runs `host_step`
         after it, then the graph captured next."""
+        self._split = True
         self._end()
         self.steps.append(host_step)
         self._begin()
 
     def add_host_step(self, host_step: Callable[[], object], to_host: HostFlag, to_device: HostFlag) -> None:
-        """Called by a host op with flags during capture (the graph has just set `to_host`): replay runs
-        `host_step` while the graph runs; the graph goes on once `to_device` is set, which the replay does
-        when `host_step` returns (or fails)."""
+        """Called by a host op with flags during capture (the graph has set `to_host`, and may have queued work
+        that runs while the host computes): replay runs `host_step` while the graph runs; the graph goes on
+        once `to_device` is set, which the replay does when `host_step` returns (or fails). Launched ahead, the
+        graph ends here and the next one begins by waiting for `to_device`."""
         self.host_steps.append(host_step)
         self._to_host.append(to_host)
         self._to_device.append(to_device)
+        if self._launch_mode == "ahead":
+            self._end()
+            self._begin()
         to_device.enqueue_wait_and_clear(torch.cuda.current_stream())
 
     @torch.inference_mode()
@@ -180,8 +194,11 @@ class SegmentedGraph:
             for step in self.steps:
                 step()
             return
+        if self._launch_mode == "ahead":
+            self._replay_ahead()
+            return
         (graph,) = self.steps
-        if self._thread_mode == "none":
+        if self._launch_mode == "first":
             graph()
             self._settle(self._run_host_steps)
             return
@@ -199,6 +216,27 @@ class SegmentedGraph:
                 self._forget()
                 raise
             self._settle(launcher.wait)
+
+    def _replay_ahead(self) -> None:
+        """Graph i + LAUNCH_AHEAD launched right after host step i, which released graph i + 1 (module
+        docstring). On any failure every graph launched is released, so that the stream drains."""
+        graphs = self.steps
+        for graph in graphs[:LAUNCH_AHEAD]:
+            graph()
+        later = iter(graphs[LAUNCH_AHEAD:])
+
+        def launch_next(i: int) -> None:
+            graph = next(later, None)
+            if graph is not None:
+                graph()
+
+        try:
+            self._run_host_steps(launch_next)
+        except BaseException:
+            for flag in self._to_device:
+                flag.set()
+            self._forget()
+            raise
 
     def _launch(self, graph: Callable[[], None], stream: torch.cuda.Stream) -> None:
         """On the launcher: launch the graph on the caller's stream; if that fails, let the host ops through
@@ -226,8 +264,9 @@ class SegmentedGraph:
         for flag in (*self._to_host, *self._to_device):
             flag.clear()
 
-    def _run_host_steps(self) -> None:
-        """The host ops in order, on this thread (inside `replay`'s inference mode)."""
+    def _run_host_steps(self, after: Callable[[int], None] | None = None) -> None:
+        """The host ops in order, on this thread (inside `replay`'s inference mode); `after(i)` once host op i
+        has released the graph."""
         for i, host_step in enumerate(self.host_steps):
             try:
                 host_step()
@@ -236,6 +275,8 @@ class SegmentedGraph:
                     flag.set()
                 raise
             self._to_device[i].set()
+            if after is not None:
+                after(i)
 
 
 class DecodeGraph:
