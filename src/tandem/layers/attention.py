@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem.cuda.streams import side_by_side
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
@@ -84,9 +85,10 @@ class Attention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
-        q = self.q(x).view(t, s.n_heads, s.head_dim)
-        k = self.k(x).view(t, s.n_kv_heads, s.head_dim)
-        v = k if self.v is None else self.v(x).view(t, s.n_kv_heads, s.value_dim)
+        q, k, *v = side_by_side(x, self.q, self.k, *([] if self.v is None else [self.v]))  # one token on a GPU: at once
+        q = q.view(t, s.n_heads, s.head_dim)
+        k = k.view(t, s.n_kv_heads, s.head_dim)
+        v = v[0].view(t, s.n_kv_heads, s.value_dim) if v else k
         if self.v_norm:
             v = rms_norm(v, torch.ones((), dtype=torch.float32, device=v.device), self.norm_eps)
         out = normed_rotated_attend(self, q, k, v, positions, cache, start, self.sinks)  # [T, H, Dv]

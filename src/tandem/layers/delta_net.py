@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.cuda.streams import on_host, side_by_side
 from tandem.errors import TandemError
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
@@ -190,6 +191,10 @@ class SplitBetaAlpha:
     beta: Linear
     alpha: Linear
 
+    @property
+    def on_host(self) -> bool:
+        return on_host(self.beta) or on_host(self.alpha)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.beta(x), self.alpha(x)
 
@@ -200,6 +205,10 @@ class FusedBetaAlpha:
 
     proj: Linear
     n_k_heads: int
+
+    @property
+    def on_host(self) -> bool:
+        return on_host(self.proj)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.shape[0]
@@ -241,11 +250,11 @@ class GatedDeltaNet:
         ~40 small torch ops; the same arithmetic to f32 rounding. Returns the out projection's input [1, Hv*Dv]."""
         from tandem.cuda.delta_net import gated_delta_step
 
-        b, a = self.beta_alpha(x)  # [1, Hv] each
+        # the large qkv projection here, the gate and beta/alpha beside it on a second stream
+        qkv, z, (b, a) = side_by_side(x, self.qkv, self.gate, self.beta_alpha)
         return gated_delta_step(
-            self.qkv(x), self.gate(x), b, a, state, self.conv_weight, self.dt_bias, self.a, self.norm,
-            self.shape, self.eps, x.dtype,
-        )  # fmt: skip
+            qkv, z, b, a, state, self.conv_weight, self.dt_bias, self.a, self.norm, self.shape, self.eps, x.dtype
+        )
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: DeltaNetState, start: int) -> torch.Tensor:
         """x [T, D] at positions start..start+T-1, continuing `state`. Inside `KVCache.captured_step`

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.cuda.streams import side_by_side
 from tandem.layers.attention import AttentionShape, normed_rotated_attend
 from tandem.layers.linear import Linear
 from tandem.layers.rope import Rope
@@ -40,10 +41,11 @@ class GatedAttention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
-        qg = self.q_gate(x).view(t, s.n_heads, 2, s.head_dim)
+        qg, k, v = side_by_side(x, self.q_gate, self.k, self.v)  # one token on a GPU: at once
+        qg = qg.view(t, s.n_heads, 2, s.head_dim)
         q = qg[:, :, 0]  # [T, H, D]
         gate = qg[:, :, 1].reshape(t, s.n_heads * s.head_dim)
-        k = self.k(x).view(t, s.n_kv_heads, s.head_dim)
-        v = self.v(x).view(t, s.n_kv_heads, s.value_dim)
+        k = k.view(t, s.n_kv_heads, s.head_dim)
+        v = v.view(t, s.n_kv_heads, s.value_dim)
         out = normed_rotated_attend(self, q, k, v, positions, cache, start).reshape(t, s.n_heads * s.value_dim)
         return self.o(out * torch.sigmoid(gate.float()).to(out.dtype))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -166,6 +166,7 @@ class HostLinear:
 
     inner: GGMLLinear
     host: HostCall = field(init=False)
+    on_host: ClassVar[bool] = True  # a boundary of the captured step: never on a side stream (cuda/streams.py)
 
     def __post_init__(self) -> None:
         self.host = HostCall(lambda xs: self.inner(xs[0]))
