@@ -213,7 +213,9 @@ if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp build
   "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" "${gpu_tests[@]}" >/tmp/pytest_gpu.log 2>&1
   say "pytest -m gpu: exit $? ($(grep -E "passed|failed" /tmp/pytest_gpu.log | tail -1))"
   grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
-  grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/short test summary/p' /tmp/pytest_gpu.log | tail -80
+  # Each failure's header, its location and its E lines (a whole traceback would push the others out of the tail).
+  grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/= PASSES =/p' /tmp/pytest_gpu.log |
+    grep -E '^_{3,} |^E  |^[A-Za-z0-9_/.-]+\.py:[0-9]+: ' | cut -c1-400 | head -60
 fi
 
 if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # untimed: the kernel order only

@@ -56,10 +56,12 @@ def test_n_cpu_moe_takes_the_first_layers(tiny_qwen3moe_gguf: tuple[Path, Path])
 
 
 def test_override_first_match_wins_and_beats_cpu_moe(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
-    overrides = [r"blk\.1\.ffn_up_exps=cuda", r"blk\.1\..*=cpu", r"attn_q=cpu"]
+    overrides = [r"blk\.1\.ffn_.*_exps=cuda", r"blk\.1\..*=cpu", r"attn_q=cpu"]
     _, plan = _plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True, override_tensor=overrides)
     assert plan.devices["blk.1.ffn_up_exps.weight"] == "cuda:0"
-    assert plan.devices["blk.1.ffn_down_exps.weight"] == "cpu"
+    assert plan.devices["blk.1.ffn_down_exps.weight"] == "cuda:0"
+    assert plan.devices["blk.0.ffn_down_exps.weight"] == "cpu"
+    assert plan.cpu_expert_layers == (0,)
     assert plan.devices["blk.1.attn_k.weight"] == "cpu"
     assert plan.devices["blk.0.attn_q.weight"] == "cpu"
     assert plan.devices["blk.0.attn_k.weight"] == "cuda:0"
@@ -78,6 +80,7 @@ def test_override_first_match_wins_and_beats_cpu_moe(tiny_qwen3moe_gguf: tuple[P
         ({"device": "cuda", "gpu_memory": "lots"}, "cannot read 'lots'"),
         ({"device": "cpu", "gpu_memory": "8GiB"}, "need a GPU device"),
         ({"device": "cuda", "cpu_moe": True, "n_cpu_moe": 1}, "exclusive"),
+        ({"device": "cuda", "override_tensor": [r"ffn_down_exps=cpu"]}, "routed experts of layer 0 would be split"),
     ],
 )
 def test_impossible_requests_fail_fast(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, message: str) -> None:
@@ -107,10 +110,11 @@ def test_budget_moves_whole_layers_of_experts_to_cpu(tiny_qwen3moe_gguf: tuple[P
 
 def test_budget_works_with_other_flags(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     _, plan = _plan(
-        tiny_qwen3moe_gguf[1], device="cuda", gpu_memory="64GiB", override_tensor=[r"blk\.1\.ffn_up_exps=cpu"]
+        tiny_qwen3moe_gguf[1], device="cuda", gpu_memory="64GiB", override_tensor=[r"blk\.1\.ffn_.*_exps=cpu"]
     )
     assert plan.devices["blk.1.ffn_up_exps.weight"] == "cpu"
-    assert plan.devices["blk.1.ffn_down_exps.weight"] == "cuda:0"
+    assert plan.devices["blk.0.ffn_down_exps.weight"] == "cuda:0"
+    assert plan.cpu_expert_layers == (1,)
 
 
 def test_sizes() -> None:

@@ -145,6 +145,22 @@ def _assign(f: GGUFFile, req: PlacementRequest, cfg: ModelConfig) -> tuple[dict[
     return devices, [p for _, p, _ in patterns]
 
 
+def _check_whole_expert_layers(devices: dict[str, str]) -> None:
+    """A layer's routed experts are computed in one place (one ggml graph on the host, or one grouped kernel on a
+    GPU), so -ot may move a layer's experts but not split them, as llama.cpp would allow."""
+    by_layer: dict[int, dict[str, str]] = {}
+    for name, device in devices.items():
+        if (layer := expert_layer(name)) is not None:
+            by_layer.setdefault(layer, {}).setdefault(device, name)
+    for layer, where in sorted(by_layer.items()):
+        if len(where) > 1:
+            split = ", ".join(f"{name} on {device}" for device, name in sorted(where.items()))
+            raise PlacementError(
+                f"-ot/--override-tensor: the routed experts of layer {layer} would be split ({split}); tandem "
+                f"computes a layer's experts in one place: move them together (e.g. 'blk\\.{layer}\\.ffn_.*_exps=cpu')"
+            )
+
+
 def plan_placement(
     f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, shape: RuntimeShape | None = None
 ) -> PlacementPlan:
@@ -158,6 +174,7 @@ def plan_placement(
     if req.gpu_memory is not None:
         devices, note = _fit_budget(f, cfg, req, devices, kv + work)
         notes.append(note)
+    _check_whole_expert_layers(devices)
     weight_bytes: dict[str, int] = {}
     for name, device in devices.items():
         weight_bytes[device] = weight_bytes.get(device, 0) + f.tensors[name].n_bytes
