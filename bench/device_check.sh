@@ -4,8 +4,7 @@
 # kernels in order ($OUT/trace.txt). Logs go to $OUT; a short summary is printed last. For the side-by-side
 # with llama.cpp, see bench/device_compare.sh.
 #   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  (synth presets, profiled one after the other)
-#   PLACEMENTS=cpu-moe,n-cpu-moe-24,all (also cpu-moe-in-order: without the one-graph replay, cpu-moe-launch-thread /
-#     cpu-moe-launch-first: the step as one graph, launched by a helper thread / first, and
+#   PLACEMENTS=cpu-moe,n-cpu-moe-24,all (also cpu-moe-in-order: the host ops without flags, and
 #     cpu-moe-repacked: with --repack-experts, to A/B them)  TESTS="tests/test_gpu.py ..." (default: tests/test_gpu*.py; none: skip)
 #   CPU_TESTS="tests/test_ggml_weights.py tests/test_synth.py" (CPU tests too, on the device's CPU: ggml picks its
 #     kernels by CPU, e.g. the repacked ones)

@@ -61,11 +61,11 @@
 #   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row once per
 #     variant, in the same call, its table in the log: `ggml25` runs on ggml-python built around llama.cpp's ggml
 #     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
-#     --repack-experts, `tNN` uses NN threads, `step-thread` / `step-first` set TANDEM_STEP_LAUNCH=thread / first: src/tandem/cuda/graphs.py,
+#     --repack-experts, `tNN` uses NN threads,
 #     `tree-NAME` imports tandem from ab/NAME/src: another branch's src/ copied there, untracked, which the device
 #     call carries with the working tree)
 #   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
-#     costs, per thread arrangement)
+#     costs, with flags and in order)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -288,14 +288,13 @@ for k in "${!targets[@]}"; do
   for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log
     left=$ab_share  # a prewarmed row: ~25 s (load 2-3 s, warm-up 2-3 s, 3 reps of pp512 + tg128)
     if (( left < 25 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
-    flags=(-t "$THREADS") path="$PYTHONPATH" step=ahead
-    [[ $variant =~ step-([a-z]+) ]] && step=${BASH_REMATCH[1]}
+    flags=(-t "$THREADS") path="$PYTHONPATH"
     [[ $variant == *ggml25* ]] && path="$SITE_GGML25:$PYTHONPATH"
     [[ $variant =~ tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[1]}/src:$path"
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
-    say "AB $name $variant: tandem ${flags[*]}, TANDEM_STEP_LAUNCH=$step (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"
-    PYTHONPATH=$path TANDEM_STEP_LAUNCH=$step timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
+    say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"
+    PYTHONPATH=$path timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
       "${flags[@]}" --matrix cpu-moe --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
       --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} >"/tmp/ab_${name}_$variant.out" 2>&1
     say "AB $name $variant: exit $?"

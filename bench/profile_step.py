@@ -3,9 +3,7 @@
     python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
 
 Placements: cpu-moe, cpu-moe-in-order (the same with the captured step in segments replayed in order, without
-HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the hand-over through flags gains), cpu-moe-launch-thread and
-cpu-moe-launch-first (one graph, launched by a helper thread or first by the thread running the host ops, instead
-of a graph per host op launched ahead: TANDEM_STEP_LAUNCH, src/tandem/cuda/graphs.py), cpu-moe-repacked (with
+HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the hand-over through flags gains), cpu-moe-repacked (with
 --repack-experts), n-cpu-moe-24, all.
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
@@ -34,7 +32,6 @@ import numpy as np
 import torch
 
 import tandem
-from tandem.cuda.graphs import STEP_LAUNCH_ENV
 from tandem.cuda.host_memory import HostRegistration
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
 from tandem.quant.ggml_weights import GGMLWeight
@@ -43,8 +40,6 @@ from tandem.runtime.offload import HOST_FLAGS_ENV
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
     "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step in segments, without HostFlags
-    "cpu-moe-launch-thread": {"cpu_moe": True},  # one graph, launched by a helper thread
-    "cpu-moe-launch-first": {"cpu_moe": True},  # one graph, launched by the thread that then runs the host ops
     "cpu-moe-repacked": {"cpu_moe": True, "repack_experts": True},  # Q4_K experts from repacked copies
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
@@ -339,7 +334,6 @@ def main() -> None:
     summary = []
     for name in a.placements.split(","):
         os.environ[HOST_FLAGS_ENV] = "0" if name.endswith("-in-order") else "1"
-        os.environ[STEP_LAUNCH_ENV] = name.split("-launch-")[1] if "-launch-" in name else "ahead"
         start = time.perf_counter()
         with tandem.LLM(a.model, device="cuda", threads=a.threads, n_ctx=2048, **PLACEMENTS[name]) as llm:
             load_s = time.perf_counter() - start
