@@ -16,9 +16,9 @@
 #
 # Time (default: 2 models x 3 placements x 2 engines x 3 reps, pp 512, tg 128, in DEADLINE_S=570 s): the
 # build ends at about 200 s; the benches share what is left, each model an equal part of what remains when
-# it starts (tandem bench --budget). One worker process per engine x placement (load and warm up once, then
-# the 3 repetitions), tandem and llama.cpp alternating; every row gets its first repetition before any row
-# runs into the time the others need (see src/tandem/bench/compare.py). A tandem process pays Triton's
+# it starts (tandem bench --budget). Two worker processes per engine x placement, tandem, llama.cpp, llama.cpp,
+# tandem (each loads and warms up once, then times 2 and 1 of the 3 repetitions); every row gets its first
+# repetition before any row runs into the time the others need (see src/tandem/bench/compare.py). A tandem process pays Triton's
 # autotuning in its warm-up unless the cache has it (TRITON_CACHE_AUTOTUNING=1, filled by PREWARM): some
 # 20-40 s per process saved. --timeout (per repetition) and --budget cut what overstays; it is reported.
 # Measured (2026-11-30): with the FlashAttention kernels skipped (the default, see LLAMA_CMAKE_EXTRA) the

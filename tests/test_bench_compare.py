@@ -21,7 +21,7 @@ import pytest
 from tandem.bench import plot
 from tandem.bench.compare import _stop, default_peer_lib, run_worker, split_result
 from tandem.bench.protocol import INJECT_ENV, REP_MARKER, RepClock, parse_rep, parse_reps, parse_result, prompt_ids
-from tandem.bench.report import Row
+from tandem.bench.report import Row, render_markdown
 from tandem.bench.spec import LLAMA_ALL_EXPERTS, LLAMA_LAYER_EXPERTS, Placement, parse_matrix, to_llama
 from tandem.cli.main import main
 from tandem.errors import TandemError
@@ -47,7 +47,7 @@ def _llama_devices(names: list[str], placement: dict) -> dict[str, str]:
         {},
         {"cpu_moe": True},
         {"n_cpu_moe": 1},
-        {"override_tensor": ["blk\\.1\\.ffn_up_exps=cpu"], "n_cpu_moe": 1},
+        {"override_tensor": ["blk\\.1\\.ffn_.*_exps=cpu"], "n_cpu_moe": 1},
         {"gpu_memory": -1},  # one byte short of the all-GPU plan: --gpu-memory must move layer 0's experts
     ],
 )
@@ -218,10 +218,11 @@ def test_run_worker_keeps_the_repetitions_before_a_failure() -> None:
     assert cut.status == "budget" and len(cut.reps) == 1 and cut.wall_s < 10
 
 
-def test_reps_run_in_one_process_and_survive_a_later_crash(
+def test_a_crash_keeps_the_repetitions_before_it_and_ends_the_row(
     tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One process per row runs every repetition; a crash in repetition 2 keeps repetition 1 in the report."""
+    """A crash in repetition 2 of a row's first process (2 of --reps 3) keeps repetition 1 in the report, and the
+    row's second process does not run."""
     monkeypatch.setenv(INJECT_ENV, "crash@1:tandem")
     empty = tmp_path / "no_peer"
     empty.mkdir()
@@ -233,7 +234,7 @@ def test_reps_run_in_one_process_and_survive_a_later_crash(
     assert [r["placement"] for r in tandem] == ["cpu", "cpu --cpu-moe"]
     for row in tandem:
         assert row["status"] == "failed" and row["reps_done"] == 1 and len(row["process_wall_s"]) == 1
-        assert row["error"].startswith("exit status 3 in repetition 2 of 3, after 1 of 3 repetitions")
+        assert row["error"].startswith("exit status 3 in repetition 2 of 2, after 1 of 2 repetitions")
         assert "injected crash" in row["error"]
         assert row["pp_tok_s"]["4"] > 0 and row["tg_tok_s"] > 0 and row["load_s"] > 0 and row["warmup_s"] > 0
         assert [r["rep"] for r in row["runs"]] == [0]
@@ -433,3 +434,34 @@ def test_budget_leaves_later_rows_their_first_repetition(monkeypatch: pytest.Mon
     # The first process knows no first-repetition time yet; the second holds back 10 s for the third.
     assert deadlines[0] == pytest.approx(100, abs=2) and deadlines[1] == pytest.approx(90, abs=2)
     assert deadlines[2] == pytest.approx(100, abs=2)
+
+
+def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two engines and --reps 3, each placement runs tandem (2 repetitions), llama.cpp (2), llama.cpp (1),
+    tandem (1): a slow spell of the machine falls on both engines. Each row ends with all 3 repetitions."""
+    import tandem.bench.compare as compare
+    from tandem.bench.spec import BenchSettings
+
+    ran: list[tuple[str, int]] = []
+
+    def fake_run_worker(cmd: list[str], timeout_s: float, **kw: object) -> compare.RunOutcome:
+        engine = "tandem" if "tandem.bench.worker" in cmd else "llamacpp"
+        reps = int(cmd[cmd.index("--reps") + 1])
+        ran.append((engine, reps))
+        got = []
+        for _ in range(reps):
+            rep = {"pp_s": {"4": [0.1]}, "tg_s": [0.2], "load_s": 1.0, "peak_rss_bytes": 1}
+            rep["vram"] = {"used_bytes": None, "source": None}
+            kw["on_rep"](rep)  # type: ignore[operator]
+            got.append(rep)
+        return compare.RunOutcome("ok", result={**got[-1], "reps_done": reps}, reps=got, first_rep_s=1.0)
+
+    monkeypatch.setattr(compare, "run_worker", fake_run_worker)
+    settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=3, n_ctx=64, n_batch=8)
+    peer = {"n_gpu_layers": -1, "overrides": []}
+    comparison = compare.Comparison(settings, [Placement(), Placement(cpu_moe=True)], llama={0: peer, 1: peer})
+    report = comparison.run(log=io.StringIO())
+    assert report.all_ok and all(row.reps_done == 3 and len(row.walls) == 2 for row in report.rows)
+    once = [("tandem", 2), ("llamacpp", 2), ("llamacpp", 1), ("tandem", 1)]
+    assert ran == once + once
+    assert "in the order tandem, llama.cpp, llama.cpp, tandem" in render_markdown(report)

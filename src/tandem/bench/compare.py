@@ -1,12 +1,16 @@
 """`tandem bench --compare llamacpp --report DIR`: tandem and llama.cpp, same placement, side by side.
 
-Schedule: one worker process per engine x placement (worker.py for tandem, llamacpp_worker.py for
-llama.cpp), in alternating order: tandem at placement A, llama.cpp at A, tandem at B, llama.cpp at B, ...
-Each process loads the model once, warms up once and then runs all --reps repetitions, printing each
+Schedule: worker processes (worker.py for tandem, llamacpp_worker.py for llama.cpp) one after the other,
+two per engine x placement in the order tandem, llama.cpp, llama.cpp, tandem at placement A, then the same at
+B, ...: the first two run ceil(reps / 2) repetitions, the others the rest (with --reps 1, or one engine, one
+process per row). A machine's slow spell, or a slow process, then falls on both engines rather than on whichever
+ran in it: on one H200 host tandem's decode varied by 30 % between processes of the same minutes (2026-11-30).
+Each process loads the model once, warms up once and then runs its repetitions, printing each
 repetition's result as soon as it is measured; the orchestrator keeps those, so a crash, a hang or a kill in
-repetition k leaves the row with the k - 1 repetitions before it (its status says what went wrong), and a
-missing peer costs its rows, never the report. The report (report.json, report.md; report.png at the end)
-is rewritten after every repetition, so even a run killed from outside leaves one behind.
+repetition k leaves the row with the k - 1 repetitions before it (its status says what went wrong, and the
+row's second process does not run), and a missing peer costs its rows, never the report. The report
+(report.json, report.md; report.png at the end) is rewritten after every repetition, so even a run killed from
+outside leaves one behind.
 
 Time limits:
   --timeout S   a watchdog per repetition: a worker is killed when S seconds pass without a repetition
@@ -257,10 +261,10 @@ class Comparison:
     _start: float = 0.0
     _first_rep_s: dict[str, float] = field(default_factory=dict)  # engine -> start to first repetition, last seen
 
-    def _cmd(self, engine: str, i: int, deadline: float | None = None) -> list[str] | None:
+    def _cmd(self, engine: str, i: int, reps: int, deadline: float | None = None) -> list[str] | None:
         s = self.settings
         common = ["-t", str(s.threads), "-c", str(s.n_ctx), "-b", str(s.n_batch), "--cache-type", s.cache_type]
-        common += ["--pp", ",".join(map(str, s.pp)), "--tg", str(s.tg), "--reps", str(s.reps), "--seed", "0"]
+        common += ["--pp", ",".join(map(str, s.pp)), "--tg", str(s.tg), "--reps", str(reps), "--seed", "0"]
         if deadline is not None:
             common += ["--deadline", f"{deadline:.3f}"]
         if engine == "tandem":
@@ -286,18 +290,18 @@ class Comparison:
                 rows[(engine, i)] = report.add_row(engine, i, params)
                 if isinstance(params, str):
                     rows[(engine, i)].fail("failed", f"no llama.cpp translation: {params}")
-        order = [(i, e) for i in range(len(self.placements)) for e in self.engines]
+        order = self._schedule()
         self._start = time.monotonic()
         interrupted: str | None = None
         with _sigterm_raises():
             try:
-                for n, (i, engine) in enumerate(order, 1):
+                for n, (i, engine, reps) in enumerate(order, 1):
                     row = rows[(engine, i)]
                     if row.status != "ok":
-                        continue  # failed before it could start (no translation, peer missing)
-                    print(f"[{n}/{len(order)}] {engine} {row.placement.label}, {s.reps} reps ...", file=log, flush=True)
-                    later = [rows[(e, j)] for j, e in order[n:]]
-                    status = self._run_row(report, row, later, log)
+                        continue  # failed before it could start (no translation, peer missing), or in its first process
+                    print(f"[{n}/{len(order)}] {engine} {row.placement.label}, {reps} reps ...", file=log, flush=True)
+                    later = [rows[(e, j)] for j, e, _ in order[n:]]
+                    status = self._run_row(report, row, reps, later, log)
                     print(f"    {status}", file=log, flush=True)
                     if row.status == "peer missing":  # then it is missing for every placement
                         for j in range(len(self.placements)):
@@ -313,13 +317,26 @@ class Comparison:
         self._write(report, png=True)
         return report
 
+    def _schedule(self) -> list[tuple[int, str, int]]:
+        """(placement, engine, repetitions) of each worker process, in order (the module docstring)."""
+        reps = self.settings.reps
+        first = -(-reps // 2) if len(self.engines) > 1 else reps
+        order = []
+        for i in range(len(self.placements)):
+            order += [(i, e, first) for e in self.engines]
+            if reps > first:
+                order += [(i, e, reps - first) for e in reversed(self.engines)]
+        return order
+
     def _write(self, report: Report, png: bool) -> None:
         if self.report_dir is not None:
             write_report(report, self.report_dir, png=png)
 
-    def _run_row(self, report: Report, row: Row, later: list[Row], log: Any) -> str:
-        """The worker process for `row`, within --timeout and what is left of --budget; returns a progress note."""
+    def _run_row(self, report: Report, row: Row, reps: int, later: list[Row], log: Any) -> str:
+        """A worker process of `reps` repetitions for `row`, within --timeout and what is left of --budget; returns
+        a progress note."""
         s = self.settings
+        expected = row.reps_done + reps  # the row's repetitions once this process has run
         hard: float | None = None
         soft: float | None = None
         if s.budget_s is not None:
@@ -331,7 +348,7 @@ class Comparison:
             # Leave the rows after this one the time of their first repetition, as far as it is known.
             reserve = sum(self._first_rep_s.get(r.engine, 0.0) for r in later if r.status == "ok")
             soft = time.time() + max(0.0, left - reserve)
-        cmd = self._cmd(row.engine, row.index, deadline=soft)
+        cmd = self._cmd(row.engine, row.index, reps, deadline=soft)
         assert cmd is not None
         # ggml answers a failed assertion with a gdb backtrace that would fill the error's tail: keep the message.
         # Triton's autotuning results go to its disk cache, so only the first process of a machine pays them.
@@ -351,7 +368,7 @@ class Comparison:
             self._write(report, png=False)
 
         peer = row.engine == "llamacpp"
-        outcome = run_worker(cmd, s.timeout_s, env=env, peer=peer, deadline=hard, on_rep=on_rep, reps=s.reps)
+        outcome = run_worker(cmd, s.timeout_s, env=env, peer=peer, deadline=hard, on_rep=on_rep, reps=reps)
         row.walls.append(outcome.wall_s)
         if outcome.first_rep_s is not None:  # the latest: the first process of a machine also compiles kernels
             self._first_rep_s[row.engine] = outcome.first_rep_s
@@ -362,7 +379,7 @@ class Comparison:
                 row.runs.extend(split_result(outcome.result))
             elif all(k in outcome.result for k in _PEAKS):
                 row.runs[-1].update({k: outcome.result[k] for k in _PEAKS})
-            if row.reps_done < s.reps:
+            if row.reps_done < expected:
                 _stop(row, s.reps, f"{budget} left no time for more")
         elif outcome.status == "budget":
             _stop(row, s.reps, f"{budget} ran out during a run")
@@ -375,7 +392,7 @@ class Comparison:
             parts.append(f"load {load:.1f} s")
         if warm is not None:
             parts.append(f"warm-up {warm:.1f} s")
-        return f"{outcome.status} ({', '.join(parts)}; {row.reps_done}/{s.reps} reps)"
+        return f"{outcome.status} ({', '.join(parts)}; {row.reps_done}/{s.reps} reps of the row)"
 
 
 def _stop(row: Row, reps: int, why: str) -> None:

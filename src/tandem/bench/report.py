@@ -258,6 +258,19 @@ def _cpu_line(machine: dict[str, Any]) -> str:
     return "".join(f"; {p}" for p in parts)
 
 
+def _schedule_line(report: Report) -> str:
+    """How the worker processes ran (bench/compare.py's schedule)."""
+    reps = report.settings.reps
+    if len(report.engines) > 1 and reps > 1:
+        first = -(-reps // 2)
+        return (
+            "two worker processes per engine x placement, in the order "
+            + ", ".join(ENGINE_NAMES[e] for e in (*report.engines, *reversed(report.engines)))
+            + f" (each: load, one warm-up, then its repetitions: {first} in the first two, {reps - first} after)"
+        )
+    return "one worker process per engine x placement (load, one warm-up, then the repetitions), engines alternating"
+
+
 def render_markdown(report: Report) -> str:
     """The table (engine x placement: speeds, memory, load time, ratios), then notes and failures."""
     s = report.settings
@@ -270,8 +283,7 @@ def render_markdown(report: Report) -> str:
         f"GPU: {gpu or 'no GPU'}; threads {s.threads}, n_ctx {s.n_ctx}, n_batch {s.n_batch}, "
         f"KV cache {s.cache_type}",
         f"- pp {', '.join(map(str, s.pp))} / tg {s.tg}, {s.reps} repetitions each (median of those done: the "
-        "reps column), one worker process per engine x placement (load, one warm-up, then the repetitions), "
-        "engines alternating",
+        f"reps column), {_schedule_line(report)}",
         f"- load average at the start {_loadavg(report.machine.get('loadavg_start'))}, "
         f"at the end {_loadavg(report.machine.get('loadavg_end'))} (other work on the CPUs skews the figures)",
         "",
