@@ -58,12 +58,11 @@
 #   GGML_FROM_LLAMA=1 (build ggml-python around the ggml of llama.cpp's tree, 0.25.3, instead of its own 0.15.3:
 #     scripts/build_ggml_python.sh --ggml-from)  GGML_VERSIONS=1 (before the benches: bench/ggml_versions.py, one
 #     token's expert products per model through tandem's ggml and llama.cpp's, same graph and threads)
-#   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row once per
-#     variant, in the same call, its table in the log: `ggml25` runs on ggml-python built around llama.cpp's ggml
-#     0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too), `+repack` adds
-#     --repack-experts, `tNN` uses NN threads,
-#     `tree-NAME` imports tandem from ab/NAME/src: another branch's src/ copied there, untracked, which the device
-#     call carries with the working tree)
+#   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row, or the rows
+#     of AB_MATRIX (e.g. all), once per variant, in the same call, its table in the log: `ggml25` runs on ggml-python
+#     built around llama.cpp's ggml 0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too),
+#     `+repack` adds --repack-experts, `tNN` uses NN threads, `tree-NAME` imports tandem from ab/NAME/src: another
+#     branch's src/ copied there, untracked, which the device call carries with the working tree)
 #   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
 #     costs, with flags and in order)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
@@ -295,7 +294,7 @@ for k in "${!targets[@]}"; do
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
     say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"
     PYTHONPATH=$path timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
-      "${flags[@]}" --matrix cpu-moe --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
+      "${flags[@]}" --matrix "${AB_MATRIX:-cpu-moe}" --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
       --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} >"/tmp/ab_${name}_$variant.out" 2>&1
     say "AB $name $variant: exit $?"
     grep '^|' "/tmp/ab_${name}_$variant/report.md" 2>/dev/null || tail -5 "/tmp/ab_${name}_$variant.out"
