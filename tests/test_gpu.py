@@ -238,6 +238,17 @@ def test_vram_guarantee(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, monk
         assert peak <= plan.gpu_bytes(), (peak, plan.gpu_bytes())
 
 
+@pytest.mark.parametrize("fixture", ["tiny_gemma3_gguf", "tiny_gemma4_gguf"])
+def test_tied_table_is_uploaded_once(fixture: str, request: pytest.FixtureRequest) -> None:
+    """A model without `output.weight` reads its embedding table for the output head too: one copy in VRAM, as
+    the plan counts it (two copies put Gemma 4 26B-A4B's --cpu-moe peak 578 MiB above its plan, 17:45)."""
+    path = request.getfixturevalue(fixture)[1]
+    with tandem.LLM(path, device="cuda", cpu_moe=fixture == "tiny_gemma4_gguf", n_ctx=128) as llm:
+        assert "output.weight" not in llm.file.tensors
+        table = llm.model.embed.data
+        assert table.is_cuda and llm.model.output.weight.data.data_ptr() == table.data_ptr()
+
+
 @pytest.mark.parametrize("fixture", ["tiny_gemma3_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["captured", "eager"])
 def test_sliding_window_rings_on_the_gpu(
