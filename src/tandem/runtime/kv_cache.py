@@ -96,8 +96,9 @@ class LayerKV:
         if k.shape[0] > room:
             raise ValueError(f"{k.shape[0]} tokens in one step; a sliding-window ring of {self.rows} rows takes {room}")
         device = self.k.device
-        self.k.index_copy_(0, torch.arange(start, end, device=device) % self.rows, k.to(self.k.dtype))
-        self.v.index_copy_(0, torch.arange(start, end, device=device) % self.rows, v.to(self.v.dtype))
+        rows = torch.arange(start, end, device=device) % self.rows
+        self.k.index_copy_(0, rows, k.to(self.k.dtype))
+        self.v.index_copy_(0, rows, v.to(self.v.dtype))
         first = max(0, end - self.rows)
         held = torch.arange(first, end, device=device) % self.rows
         return self.k.index_select(0, held), self.v.index_select(0, held), first

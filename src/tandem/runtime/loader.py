@@ -53,9 +53,10 @@ class QuantEmbedding:
     kernels: CPUKernels | None = None
 
     def __post_init__(self) -> None:
-        info, kernels = self.info, self.kernels
-        table = GGMLWeight(info.data, info.qtype, info.shape) if kernels is not None else None
-        self._lookup = functools.partial(kernels.get_rows, table) if kernels is not None else None
+        self._lookup = None
+        if self.kernels is not None:
+            table = GGMLWeight(self.info.data, self.info.qtype, self.info.shape)
+            self._lookup = functools.partial(self.kernels.get_rows, table)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self._lookup is not None:

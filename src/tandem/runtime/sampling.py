@@ -121,7 +121,7 @@ class Sampler:
         generator = self._generators.get(device)
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device)
-            generator.manual_seed(self.params.seed if self.params.seed is not None else self.generator.initial_seed())
+            generator.manual_seed(self.generator.initial_seed())  # the seed given, or the one drawn above
         return generator
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
