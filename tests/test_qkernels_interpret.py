@@ -31,15 +31,20 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_plain_products(qtype: gguf.GGMLQuantizationType) -> None:
+def test_plain_products(qtype: gguf.GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tandem.cuda.qlinear as qlinear
+
     rng = np.random.default_rng(int(qtype))
     n, k = 24, 512 + (32 if qtype in (TYPES[0], TYPES[1], TYPES[2]) else 0)  # a K that is no multiple of 256
     raw = random_blocks(qtype, (n, k), rng)
     ref_w = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
     w = GPUQuantWeight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (n, k))
-    for m in (1, 3, 20):  # 20 rows take the dequantize + GEMM path
+    for m in (1, 3, 20):  # 20 rows take the dequantize + GEMM path, all rows in one slice
         x = torch.randn(m, k)
         assert _rel(qmatmul(x, w, ieee=True), x.double() @ ref_w.T) < REL_TOL, m
+    monkeypatch.setattr(qlinear, "GPU_DEQUANT_CHUNK_BYTES", 10 * k * 4)  # slices of 10 rows: 10, 10 and 4
+    x = torch.randn(20, k)
+    assert _rel(qmatmul(x, w, ieee=True), x.double() @ ref_w.T) < REL_TOL
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)

@@ -94,15 +94,18 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
     m, k = x.shape
     assert k == w.n_in, (x.shape, w.shape)
     x = _aligned(x)
-    y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
     if m > QMV_MAX_ROWS:  # dequantize a bounded slice of rows at a time, multiply with cuBLAS
         dtype = torch.float32 if ieee else torch.bfloat16
         rows = max(1, GPU_DEQUANT_CHUNK_BYTES // (k * dtype.itemsize))
         xd = x.to(dtype)
+        if rows >= w.n_out:  # one slice (most projections): cuBLAS's product is the result, no copy into one
+            return (xd @ dequantize_rows_gpu(w, 0, w.n_out, dtype).T).to(x.dtype)
+        y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
         for r0 in range(0, w.n_out, rows):
             n = min(rows, w.n_out - r0)
             y[:, r0 : r0 + n] = (xd @ dequantize_rows_gpu(w, r0, n, dtype).T).to(x.dtype)
         return y
+    y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
     qk._qmv[grid](
         w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), QT=int(w.qtype), HAS_IDS=False
