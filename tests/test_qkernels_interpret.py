@@ -64,6 +64,41 @@ def test_selected_experts(qtype: gguf.GGMLQuantizationType) -> None:
             assert torch.equal(qmatmul_id(x, w, ids.int(), ieee=True), y)  # int32 ids, as the GPU routing gives
 
 
+def test_products_of_one_routing_share_its_grouping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's gate, up and down products (three weights, one ids tensor) group the slots once; a new ids tensor,
+    or the same one changed in place, is grouped again, and every product stays exact."""
+    import tandem.cuda.qlinear as qlinear
+
+    calls = []
+    align = qlinear._align_slots
+    monkeypatch.setattr(qlinear, "_align_slots", lambda *a: calls.append(1) or align(*a))
+    rng = np.random.default_rng(7)
+    qtype, e, n, k, t, a = TYPES[0], 5, 16, 256, 20, 3
+    raws = [random_blocks(qtype, (e, n, k), rng) for _ in range(3)]
+    weights = [GPUQuantWeight(torch.from_numpy(r.reshape(-1).copy()), qtype, (e, n, k)) for r in raws]
+    refs = [torch.from_numpy(np.stack([gguf.quants.dequantize(r[i], qtype) for i in range(e)])).double() for r in raws]
+    x = torch.randn(t, k)
+    xs = x.double()[:, None, :].expand(t, a, k)
+
+    def products(ids: torch.Tensor) -> None:
+        for w, ref_w in zip(weights, refs, strict=True):
+            want = torch.einsum("tak,tank->tan", xs, ref_w[ids])
+            assert _rel(qmatmul_id(x, w, ids, ieee=True), want) < REL_TOL
+
+    ids = torch.randint(0, e, (t, a), generator=torch.Generator().manual_seed(1))
+    products(ids)
+    assert len(calls) == 1
+    ids[0, 0] = (ids[0, 0] + 1) % e  # in place: grouped again
+    products(ids)
+    assert len(calls) == 2
+    products(torch.randint(0, e, (t, a), generator=torch.Generator().manual_seed(2)))
+    assert len(calls) == 3
+    with torch.inference_mode():  # as the model runs: ids without a version counter, a new tensor per routing
+        for seed in (3, 4):
+            products(torch.randint(0, e, (t, a), generator=torch.Generator().manual_seed(seed)))
+    assert len(calls) == 5
+
+
 def _qmv(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor | None, bn: int, sb: int) -> torch.Tensor:
     """`_qmv` with one configuration (BN rows, SB superblocks per step), past the autotuner: y [R, N] f32 for
     x [T, K] (shared by the A slots of a token: R = T * A) or [R, K], ids [T, A] or None (R = T)."""

@@ -4,6 +4,7 @@ Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM. P
 dense weight is dequantized into a transient float workspace and multiplied by cuBLAS; selected experts
 run `_grouped_qmm`, a grouped GEMM that dequantizes the blocks tile by tile in registers, over slots
 grouped by expert on the GPU (`_align_slots`): one launch per product and no host sync for experts in VRAM.
+A layer's gate, up and down products share one routing, so they share its grouping (`_aligned_slots`).
 
 Shapes: M = activation rows, N = output features, K = input features, E = experts, T = tokens,
 A = active experts per token, R = T * A expert slots.
@@ -11,6 +12,7 @@ A = active experts per token, R = T * A expert slots.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -133,7 +135,7 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
         return y.view(t, a, n)
     n_experts = w.shape[0]
     bm = _tile_rows(r, n_experts)
-    tile_expert, slots, tiles = _align_slots(flat, n_experts, bm)
+    tile_expert, slots, tiles = _aligned_slots(ids, flat, n_experts, bm)
 
     def launch(blocks: GPUQuantWeight, tile0: int, e0: int, n_tiles: int) -> None:
         grid = lambda meta: (triton.cdiv(n, meta["BN"]), n_tiles)  # noqa: E731
@@ -170,6 +172,35 @@ def _max_tiles(n_slots: int, n_experts: int, tile: int) -> int:
     """Upper bound of sum over experts of ceil(count / tile) for n_slots slots: each used expert (at most
     min(E, R)) pads less than one tile, and every tile holds a slot."""
     return min(n_slots, (n_slots + min(n_experts, n_slots) * (tile - 1)) // tile)
+
+
+# The last grouping made, for the products after it with the same routing (a layer's gate, up and down):
+# (the ids tensor, weakly, and its version counter, experts, tile rows) -> _align_slots's result.
+_LAST_GROUPING: list[tuple[weakref.ref[torch.Tensor], int | None, int, int, tuple[torch.Tensor, ...]]] = []
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's version counter (bumped by in-place writes), or None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
+def _aligned_slots(
+    ids: torch.Tensor, flat_ids: torch.Tensor, n_experts: int, tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_align_slots(flat_ids, ...)`, reused while `ids` is the same live tensor, unchanged, and grouped for the
+    same experts and tile rows: one sort and one kernel per layer instead of three. "Unchanged" is checked by
+    the version counter where there is one; an inference tensor (the model runs in inference mode) has none,
+    so routing ids must not be written in place once their products have begun: routers return a new tensor
+    per call. Not inside a CUDA graph capture: replays rewrite a captured buffer without any counter."""
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _align_slots(flat_ids, n_experts, tile)
+    if _LAST_GROUPING:
+        ref, version, experts, rows, grouping = _LAST_GROUPING[0]
+        if ref() is ids and version == _version(ids) and (experts, rows) == (n_experts, tile):
+            return grouping  # type: ignore[return-value]
+    grouping = _align_slots(flat_ids, n_experts, tile)
+    _LAST_GROUPING[:] = [(weakref.ref(ids), _version(ids), n_experts, tile, grouping)]
+    return grouping
 
 
 def _align_slots(flat_ids: torch.Tensor, n_experts: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
