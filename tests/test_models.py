@@ -115,3 +115,20 @@ def test_sliding_window_rings_match_full_caches(
             last = engine.feed(ids[: keep + 1]).numpy()
             assert engine.cache.length == keep + 1
             np.testing.assert_allclose(last, full[keep], atol=1e-5, rtol=0)
+
+
+def test_causal_attention_from_an_empty_cache_needs_no_mask() -> None:
+    """The GPU's prefill from an empty cache without a window (layers/attention.py `attend`) asks SDPA for causal
+    attention instead of passing a mask: the same as the mask it replaces (the queries are the keys' positions
+    0..T-1), with grouped KV heads and a value size of its own. torch's SDPA on the CPU, the logic only."""
+    from tandem.layers.attention import AttentionShape, _sdpa
+
+    torch.manual_seed(0)
+    t, h, g, d, dv = 9, 4, 2, 16, 8
+    s = AttentionShape(n_heads=h, n_kv_heads=g, head_dim=d, value_dim=dv, scale=d**-0.5, sliding_window=None)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, g, d), torch.randn(t, g, dv)
+    positions = torch.arange(t)
+    allowed = positions.unsqueeze(1) >= positions.unsqueeze(0)
+    causal = _sdpa(q, k, v, None, s, h // g)
+    assert causal.shape == (t, h, dv)
+    torch.testing.assert_close(causal, _sdpa(q, k, v, allowed, s, h // g), rtol=0, atol=1e-6)

@@ -147,21 +147,18 @@ def attend(
         return _attend_row_ggml(q, keys, values, int(positions[0]) - first, s)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
+    # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
+    # fits one batch) that is plain causal attention: no mask to build, and SDPA may take its flash kernel.
+    from_start = s.sliding_window is None and first == 0 and n_keys == q.shape[0]
+    if q.is_cuda and s.softcap is None and sinks is None and from_start:
+        return _sdpa(q, keys, values, None, s, group)
     key_pos = first + torch.arange(n_keys, device=q.device)
     distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [T, S]
     allowed = distance >= 0
     if s.sliding_window is not None:
         allowed &= distance < s.sliding_window
     if q.is_cuda and s.softcap is None and sinks is None:  # one fused kernel instead of a dozen
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            attn_mask=allowed.view(1, 1, *allowed.shape),
-            scale=s.scale,
-            enable_gqa=group > 1,
-        )  # [1, H, T, Dv]
-        return out[0].transpose(0, 1)
+        return _sdpa(q, keys, values, allowed, s, group)
     if keys.dtype is torch.float16 and not q.is_cuda:
         return _attend_ggml(q, keys, values, allowed, s, sinks)
     qh = q.float().transpose(0, 1)  # [H, T, D]
@@ -177,6 +174,28 @@ def attend(
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vh).transpose(0, 1).to(q.dtype)  # [T, H, Dv]
+
+
+def _sdpa(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor | None,
+    s: AttentionShape,
+    group: int,
+) -> torch.Tensor:
+    """torch's fused attention of q [T, H, D] over keys/values [S, G, D] -> [T, H, Dv]: masked by `allowed`
+    [T, S], or causal (T == S) without it."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        attn_mask=None if allowed is None else allowed.view(1, 1, *allowed.shape),
+        is_causal=allowed is None,
+        scale=s.scale,
+        enable_gqa=group > 1,
+    )  # [1, H, T, Dv]
+    return out[0].transpose(0, 1)
 
 
 # -- llama.cpp's CPU arithmetic (f16 cache) ---------------------------------------------------------
