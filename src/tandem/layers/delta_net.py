@@ -174,14 +174,14 @@ def chunked_gated_delta_rule(
     q_decayed = qh * cum.exp().unsqueeze(-1)  # reads the state as it was at the chunk start
     k_decayed = kh * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # writes decayed to the chunk end
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    out = torch.empty(h, n, chunk_size, dv, dtype=v.dtype, device=v.device)
+    outs = []
     s = state
-    for i in range(n):
-        v_new = new_values[:, i] - torch.matmul(k_cumdecay[:, i], s)  # [H, L, Dv]
-        out[:, i] = torch.matmul(q_decayed[:, i], s) + torch.matmul(intra[:, i], v_new)
-        s = s * chunk_decay[:, i] + torch.matmul(k_decayed[:, i].transpose(-1, -2), v_new)
+    for i in range(n):  # fused multiply-adds: on a GPU each chunk is five launches, not nine
+        v_new = torch.baddbmm(new_values[:, i], k_cumdecay[:, i], s, alpha=-1)  # [H, L, Dv]
+        outs.append(torch.baddbmm(torch.bmm(intra[:, i], v_new), q_decayed[:, i], s))
+        s = torch.baddbmm(s * chunk_decay[:, i], k_decayed[:, i].transpose(-1, -2), v_new)
     state.copy_(s)
-    return out.view(h, n * chunk_size, dv)[:, :t].transpose(0, 1)  # [T, H, Dv]
+    return torch.cat(outs, dim=1)[:, :t].transpose(0, 1)  # [T, H, Dv]
 
 
 @dataclass
