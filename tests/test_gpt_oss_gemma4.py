@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
 import torch
 
 import tandem
+import tandem.api
 from tandem.convert import convert_hf
 from tandem.gguf import open_gguf
 from tandem.layers.ffn import ParallelFFN
@@ -25,22 +27,28 @@ CONVERSATION = [
 ]
 
 
-def _hf_render(hf_dir: Path) -> str:
-    """transformers' own rendering of the checkpoint's template (what apply_chat_template does)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
+def _hf_tokenizer(hf_dir: Path) -> Any:
+    """transformers' tokenizer of the checkpoint. A SentencePiece-only one (the tiny Gemma 4) is loaded as
+    transformers' SentencePiece backend: AutoTokenizer would convert it to a fast tokenizer, which needs
+    protobuf, not a dependency here."""
+    if (hf_dir / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
 
-    config = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    rendered, _ = render_jinja_template(
-        [CONVERSATION], chat_template=config["chat_template"], add_generation_prompt=True,
-        bos_token=config.get("bos_token") or "", eos_token=config.get("eos_token") or "",
-    )  # fmt: skip
-    return rendered[0]
+        return AutoTokenizer.from_pretrained(hf_dir)
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+    return SentencePieceBackend.from_pretrained(hf_dir)
+
+
+def _hf_render(hf_tok: Any, messages: list[dict[str, str]], **kw: Any) -> str:
+    """transformers' apply_chat_template of the checkpoint's own template (bos/eos from its tokenizer)."""
+    return str(hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_gpt_oss_gguf", "tiny_gemma4_gguf"])
 def test_chat_template_from_gguf_metadata(fixture: str, request: pytest.FixtureRequest) -> None:
-    """The template the converter copied from tokenizer_config renders like transformers' own, and the
-    rendered turns tokenize to the special tokens."""
+    """The template the converter copied from tokenizer_config renders like transformers' apply_chat_template,
+    and every turn of the rendering opens with the turn's special token."""
     hf_dir, gguf_path = request.getfixturevalue(fixture)
     with tandem.LLM(gguf_path, cache_type="f32", threads=1, n_ctx=256) as llm:
         template = chat_template_from_metadata(llm.file.metadata)
@@ -48,12 +56,82 @@ def test_chat_template_from_gguf_metadata(fixture: str, request: pytest.FixtureR
         md = llm.file.metadata
         bos = md["tokenizer.ggml.tokens"][md["tokenizer.ggml.bos_token_id"]]
         text = render_chat(template, CONVERSATION, bos_token=bos)
-        assert text == _hf_render(hf_dir)
+        assert text == _hf_render(_hf_tokenizer(hf_dir), CONVERSATION)
         tok = llm.tokenizer
         assert llm.apply_chat_template(CONVERSATION) == text
         ids = llm.tokenize(text, add_special=False)
-        turn = "<|start|>" if llm.config.arch == "gpt-oss" else "<start_of_turn>"
-        assert ids.count(tok.vocab.token_to_id[turn]) == len(CONVERSATION) + 1 - (fixture == "tiny_gemma4_gguf")
+        turn = "<|start|>" if llm.config.arch == "gpt-oss" else "<|turn>"
+        assert ids.count(tok.vocab.token_to_id[turn]) == len(CONVERSATION) + 1  # + the generation prompt
+
+
+# Gemma 4's turns for CONVERSATION, written out from its published format: the system message is a turn of its own
+GEMMA4_TURNS = (
+    "<bos><|turn>system\n{think}You answer briefly.<turn|>\n<|turn>user\nWhat time is it?<turn|>\n"
+    "<|turn>model\nIt is half past four.<turn|>\n<|turn>user\nThank you!<turn|>\n<|turn>model\n"
+)
+NO_THOUGHT = "<|channel>thought\n<channel|>"  # thinking off: the generation prompt closes an empty thought
+
+
+def test_gemma4_chat_format(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
+    """The tiny Gemma 4's template renders Gemma 4's format, in tandem as in transformers, with thinking off
+    (enable_thinking undefined, which is what LLM.apply_chat_template passes, or false) and on; the rendered
+    prompts tokenize as transformers tokenizes them, with every marker a single special token."""
+    hf_dir, gguf_path = tiny_gemma4_gguf
+    hf = _hf_tokenizer(hf_dir)
+    user_only = CONVERSATION[1:2]
+    developer = [{"role": "developer", "content": "  Be brief.\n"}, *user_only]
+    cases: list[tuple[list[dict[str, str]], dict[str, Any], str]] = [
+        (CONVERSATION, {}, GEMMA4_TURNS.format(think="") + NO_THOUGHT),
+        (CONVERSATION, {"enable_thinking": False}, GEMMA4_TURNS.format(think="") + NO_THOUGHT),
+        (CONVERSATION, {"enable_thinking": True}, GEMMA4_TURNS.format(think="<|think|>")),
+        (user_only, {}, "<bos><|turn>user\nWhat time is it?<turn|>\n<|turn>model\n" + NO_THOUGHT),
+        (user_only, {"enable_thinking": True},  # thinking opens a system turn of its own
+         "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nWhat time is it?<turn|>\n<|turn>model\n"),
+        (developer, {}, "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nWhat time is it?<turn|>\n<|turn>model\n"
+         + NO_THOUGHT),
+    ]  # fmt: skip
+    with tandem.LLM(gguf_path, cache_type="f32", threads=1, n_ctx=256) as llm:
+        template = chat_template_from_metadata(llm.file.metadata)
+        tok = llm.tokenizer
+        for messages, kw, want in cases:
+            text = render_chat(template, messages, bos_token=tok.piece_text(tok.bos_id), **kw)
+            assert text == want, kw
+            assert _hf_render(hf, messages, **kw) == want, kw
+            ids = llm.tokenize(text, add_special=False)
+            assert ids == hf(text, add_special_tokens=False)["input_ids"], kw
+        assert llm.apply_chat_template(CONVERSATION) == cases[0][2]
+
+        types = llm.file.metadata["tokenizer.ggml.token_type"]
+        for marker in ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"):
+            tid = tok.vocab.token_to_id[marker]
+            assert llm.tokenize(f"a{marker}b", add_special=False)[1] == tid, marker
+            assert tid in hf(marker, add_special_tokens=False)["input_ids"], marker
+            # as llama.cpp writes Gemma 4: the channel markers stay visible for chat parsers
+            visible = marker in ("<|channel>", "<channel|>")
+            assert types[tid] == (gguf.TokenType.USER_DEFINED if visible else gguf.TokenType.CONTROL), marker
+
+
+def test_gemma4_turn_end_stops_generation(tiny_gemma4_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`<turn|>` ends a model turn: like llama.cpp, the converter writes no end-of-turn id for Gemma 4 and the
+    loader makes `<turn|>` end the generation by its text (CONTROL type), next to `<eos>`; a chat reply stops
+    there."""
+    gguf_path = tiny_gemma4_gguf[1]
+    with tandem.LLM(gguf_path, cache_type="f32", threads=1, n_ctx=256) as llm:
+        md, tok = llm.file.metadata, llm.tokenizer
+        assert "tokenizer.ggml.eot_token_id" not in md
+        assert md["tokenizer.ggml.tokens"][md["tokenizer.ggml.eos_token_id"]] == "<eos>"
+        assert {tok.vocab.tokens[i] for i in tok.stop_ids} == {"<eos>", "<turn|>"}
+        turn_end, word = tok.vocab.token_to_id["<turn|>"], tok.vocab.token_to_id["The"]
+
+        class Scripted:  # the sampler: one word, then the end of the turn, then more (never reached)
+            def __init__(self, params: object) -> None:
+                self.tokens = iter([word, turn_end, word])
+
+            def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+                return next(self.tokens)
+
+        monkeypatch.setattr(tandem.api, "Sampler", Scripted)
+        assert llm.chat(CONVERSATION, max_tokens=5) == "The"
 
 
 def test_gpt_oss_gguf_layout(tiny_gpt_oss_gguf: tuple[Path, Path]) -> None:

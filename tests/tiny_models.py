@@ -9,7 +9,8 @@ always gives the same files; the tokenizers are trained on the built-in text bel
   <|im_end|> as the last three ids, plus tokenizer_config.json with a ChatML chat template.
 * Gemma: SentencePiece BPE `tokenizer.model` (byte fallback) with <pad>, <eos>, <bos>, <unk> at ids 0..3
   and <start_of_turn>, <end_of_turn> as user-defined symbols (ids 4, 5), plus tokenizer_config.json with
-  a Gemma chat template.
+  a Gemma chat template. Gemma 4 has its own turn markers instead (<|turn>, <turn|>, <|think|>, <|channel>,
+  <channel|> at ids 4..8) and a reduced Gemma 4 chat template.
 * Gemma 3 layers: 6 layers with a sliding window of 16 and the stock pattern of 6 (five sliding layers,
   then one global layer: layer 5). That is what llama.cpp assumes for gemma3 when the GGUF has no
   `gemma3.attention.sliding_window_pattern` key, so the file reads the same in any llama.cpp version.
@@ -90,6 +91,26 @@ GEMMA_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
+GEMMA4_USER_SYMBOLS = ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>")
+# A reduced Gemma 4 format (no tools, media or reasoning history): a leading system/developer message and the
+# thinking switch <|think|> open a system turn; without thinking, the generation prompt closes an empty
+# thought channel so that the model answers at once.
+GEMMA4_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
+    "{%- set has_system = messages and messages[0]['role'] in ['system', 'developer'] -%}"
+    "{%- if thinking or has_system -%}"
+    "{{- '<|turn>system\\n' + ('<|think|>' if thinking else '') "
+    "+ (messages[0]['content'] | trim if has_system else '') + '<turn|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in (messages[1:] if has_system else messages) -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{- '<|turn>' + role + '\\n' + message['content'] | trim + '<turn|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}"
+    "{%- if not thinking -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}{%- endif -%}"
+)
+
 
 def _lines() -> list[str]:
     return [line for line in CORPUS.splitlines() if line.strip()]
@@ -158,8 +179,14 @@ def write_qwen_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> dict[st
     return ids
 
 
-def write_gemma_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
-    """SentencePiece BPE `tokenizer.model` with Gemma's special ids; returns the special ids."""
+def write_gemma_tokenizer(
+    out_dir: Path,
+    vocab_size: int = VOCAB_SIZE,
+    user_symbols: tuple[str, ...] = GEMMA_USER_SYMBOLS,
+    chat_template: str = GEMMA_TEMPLATE,
+) -> dict[str, int]:
+    """SentencePiece BPE `tokenizer.model` with Gemma's special ids, then `user_symbols` (ids 4...) as special
+    tokens; returns the special ids."""
     import sentencepiece as spm
 
     buf = io.BytesIO()
@@ -167,18 +194,18 @@ def write_gemma_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> dict[s
         sentence_iterator=iter(_lines()), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
         pad_id=0, eos_id=1, bos_id=2, unk_id=3,
         pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
-        user_defined_symbols=list(GEMMA_USER_SYMBOLS), byte_fallback=True, character_coverage=1.0,
+        user_defined_symbols=list(user_symbols), byte_fallback=True, character_coverage=1.0,
         normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
         split_digits=True, allow_whitespace_only_pieces=True, num_threads=1, minloglevel=2,
     )
     (out_dir / "tokenizer.model").write_bytes(buf.getvalue())
-    ids = {s: i for i, s in enumerate(GEMMA_SPECIALS + GEMMA_USER_SYMBOLS)}
+    ids = {s: i for i, s in enumerate(GEMMA_SPECIALS + user_symbols)}
     _write_json(out_dir / "tokenizer_config.json", {
         "add_bos_token": True,
         "add_eos_token": False,
         "added_tokens_decoder": {str(i): _added_token(s) for s, i in ids.items()},
         "bos_token": "<bos>",
-        "chat_template": GEMMA_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<eos>",
         "model_max_length": 512,
@@ -499,7 +526,8 @@ def make_tiny_gemma4(out_dir: Path, seed: int = 0) -> Path:
     """Gemma4ForCausalLM with the 26B-A4B's features, tiny: 4 layers (sliding window 16 / global, twice),
     hidden 64, 4 query heads; sliding layers 2 KV heads of 16, global layers 1 KV head of 32 with K = V and
     proportional rope on a quarter of it; a dense GEGLU MLP of 64 beside 4 experts (top-2) of 32 in every
-    layer; final softcap 30; vocab 512 (Gemma 3's SentencePiece tokenizer and chat template).
+    layer; final softcap 30; vocab 512 (the SentencePiece tokenizer of the Gemma 3 one, with Gemma 4's turn and
+    channel markers and a reduced Gemma 4 chat template).
 
     The router scales, per-expert scales and layer scalars start at one: they are redrawn."""
     import torch
@@ -507,7 +535,7 @@ def make_tiny_gemma4(out_dir: Path, seed: int = 0) -> Path:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ids = write_gemma_tokenizer(out_dir)
+    ids = write_gemma_tokenizer(out_dir, user_symbols=GEMMA4_USER_SYMBOLS, chat_template=GEMMA4_TEMPLATE)
     config = Gemma4TextConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16,

@@ -12,7 +12,9 @@
   `head_count_kv` as a per-layer array when they differ; `sliding_window_pattern` as a bool array.
 * The vocabulary: `tokenizer.json` (Gemma 4's BPE with byte fallback) -> `tokenizer.ggml.model = "gemma4"`
   with merges, like llama.cpp; a checkpoint with only a SentencePiece `tokenizer.model` gets the
-  SentencePiece vocabulary (`llama`) instead.
+  SentencePiece vocabulary (`llama`) instead. Either way the channel and tool markers are USER_DEFINED, and no
+  end-of-turn id is written: like llama.cpp, the loader makes `<turn|>` (and `<eos>`) end the generation by
+  their text.
 """
 
 from __future__ import annotations
@@ -139,7 +141,9 @@ class Gemma4Hooks(ArchHooks):
     def load_vocab(self, cfg: dict[str, Any], hf_dir: Path) -> Vocab | None:
         if (hf_dir / "tokenizer.json").is_file():
             return load_gemma4_vocab(hf_dir)
-        return load_spm_vocab(hf_dir, int(cfg["vocab_size"]))
+        vocab = load_spm_vocab(hf_dir, int(cfg["vocab_size"]))
+        _show_visible_tokens(vocab.tokens, vocab.toktypes)
+        return vocab
 
     def after_vocab(self, w: gguf.GGUFWriter, vocab: Vocab) -> None:
         w.add_add_space_prefix(False)
@@ -167,6 +171,12 @@ def _special_texts(hf_dir: Path) -> set[str]:
                 if isinstance(text, str):
                     out.add(text)
     return out
+
+
+def _show_visible_tokens(tokens: list[bytes], toktypes: list[int]) -> None:
+    for i, tok in enumerate(tokens):
+        if tok.decode("utf-8", errors="replace") in _VISIBLE_TOKENS:
+            toktypes[i] = gguf.TokenType.USER_DEFINED
 
 
 def load_gemma4_vocab(hf_dir: Path) -> Vocab:
@@ -204,9 +214,7 @@ def load_gemma4_vocab(hf_dir: Path) -> Vocab:
             raise ConversionError(f"{hf_dir}/tokenizer.json: added token ids are not contiguous at {i}")
         tokens.append(text.encode("utf-8"))
         toktypes.append(gguf.TokenType.CONTROL if i in special_ids else gguf.TokenType.USER_DEFINED)
-    for i, tok in enumerate(tokens):
-        if tok.decode("utf-8") in _VISIBLE_TOKENS:
-            toktypes[i] = gguf.TokenType.USER_DEFINED
+    _show_visible_tokens(tokens, toktypes)
     return Vocab(model="gemma4", pre="gemma4", tokens=tokens, toktypes=[int(t) for t in toktypes],
                  scores=[-1000.0] * len(tokens))  # fmt: skip
 
