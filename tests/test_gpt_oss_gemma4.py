@@ -14,6 +14,7 @@ import torch
 
 import tandem
 import tandem.api
+from tandem.cli.main import main
 from tandem.convert import convert_hf
 from tandem.gguf import open_gguf
 from tandem.layers.ffn import ParallelFFN
@@ -74,7 +75,8 @@ NO_THOUGHT = "<|channel>thought\n<channel|>"  # thinking off: the generation pro
 
 def test_gemma4_chat_format(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
     """The tiny Gemma 4's template renders Gemma 4's format, in tandem as in transformers, with thinking off
-    (enable_thinking undefined, which is what LLM.apply_chat_template passes, or false) and on; the rendered
+    (enable_thinking undefined, which is what LLM.apply_chat_template passes by default, or false) and on (through
+    its chat_template_kwargs too); the rendered
     prompts tokenize as transformers tokenizes them, with every marker a single special token."""
     hf_dir, gguf_path = tiny_gemma4_gguf
     hf = _hf_tokenizer(hf_dir)
@@ -97,6 +99,7 @@ def test_gemma4_chat_format(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
             text = render_chat(template, messages, bos_token=tok.piece_text(tok.bos_id), **kw)
             assert text == want, kw
             assert _hf_render(hf, messages, **kw) == want, kw
+            assert llm.apply_chat_template(messages, chat_template_kwargs=kw) == want, kw  # --chat-template-kwargs
             ids = llm.tokenize(text, add_special=False)
             assert ids == hf(text, add_special_tokens=False)["input_ids"], kw
         assert llm.apply_chat_template(CONVERSATION) == cases[0][2]
@@ -109,6 +112,36 @@ def test_gemma4_chat_format(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
             # as llama.cpp writes Gemma 4: the channel markers stay visible for chat parsers
             visible = marker in ("<|channel>", "<channel|>")
             assert types[tid] == (gguf.TokenType.USER_DEFINED if visible else gguf.TokenType.CONTROL), marker
+
+
+def test_cli_chat_template_kwargs(tiny_gemma4_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """`--chat-template-kwargs JSON` reaches the template (thinking on: Gemma 4 prompts no empty thought, so the
+    reply differs from the one with thinking off); what cannot be template variables is a one-line error, exit 2,
+    before the model loads."""
+    model = str(tiny_gemma4_gguf[1])
+    base = ["run", "-m", model, "-p", "What time is it?", "-n", "4", "--temp", "0", "-t", "1", "-c", "128"]
+    base += ["-ctk", "f32", "--chat"]  # as the LLM below
+    with tandem.LLM(model, cache_type="f32", threads=1, n_ctx=128) as llm:
+        msgs = [{"role": "user", "content": "What time is it?"}]
+        replies = {
+            on: llm.chat(msgs, chat_template_kwargs={"enable_thinking": on}, max_tokens=4, temperature=0)
+            for on in (0, 1)
+        }
+    assert replies[0] != replies[1]  # else the CLI rows below could not tell whether the variable got through
+    for on in (0, 1):
+        assert main([*base, "--chat-template-kwargs", f'{{"enable_thinking": {"true" if on else "false"}}}']) == 0
+        assert capsys.readouterr().out == replies[on] + "\n"
+    bad = {
+        "{enable_thinking: true}": "is not JSON",
+        "[1, 2]": "must be a JSON object",
+        '{"messages": []}': "may not set messages",
+    }
+    for text, message in bad.items():
+        assert main([*base, "--chat-template-kwargs", text]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert main([*base[:-1], "--chat-template-kwargs", "{}"]) == 2
+    assert "needs --chat" in capsys.readouterr().err
 
 
 def test_gemma4_turn_end_stops_generation(tiny_gemma4_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:

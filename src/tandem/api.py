@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.runtime.loader import WeightLoader
 from tandem.runtime.sampling import Sampler, SamplingParams
 from tandem.tokenizer import Tokenizer
-from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat
+from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
 
 
 def default_model_path() -> Path:
@@ -194,15 +194,24 @@ class LLM:
         if rest:
             yield rest
 
-    def chat(self, messages: list[dict[str, str]], **sampling: Any) -> str | Iterator[str]:
-        """Render `messages` with the model's chat template and generate the assistant's reply."""
-        prompt = self.apply_chat_template(messages)
+    def chat(
+        self, messages: list[dict[str, str]], chat_template_kwargs: Mapping[str, Any] | None = None, **sampling: Any
+    ) -> str | Iterator[str]:
+        """Render `messages` with the model's chat template (`chat_template_kwargs`: extra template variables,
+        e.g. {"enable_thinking": False}) and generate the assistant's reply."""
+        prompt = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
         ids = self.tokenizer.encode(prompt, add_special=False)
         if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
             ids = [self.tokenizer.bos_id, *ids]
         return self.generate(ids, **sampling)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of `messages` in the model's chat template (from the GGUF metadata)."""
         template = chat_template_from_metadata(self.file.metadata)
         return render_chat(
             template,
@@ -210,6 +219,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.tokenizer.piece_text(self.tokenizer.bos_id),
             eos_token=self.tokenizer.piece_text(self.tokenizer.eos_id),
+            **template_variables(chat_template_kwargs),
         )
 
     def close(self) -> None:

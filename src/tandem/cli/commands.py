@@ -8,6 +8,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from tandem.api import LLM, default_model_path
 from tandem.errors import TandemError
@@ -16,6 +17,7 @@ from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.runtime.devices import default_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
+from tandem.tokenizer.chat_template import parse_template_variables
 
 
 def _load(args: argparse.Namespace) -> LLM:
@@ -102,6 +104,15 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _template_variables(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--chat-template-kwargs, checked before the model loads."""
+    if args.chat_template_kwargs is None:
+        return None
+    if args.command == "run" and not args.chat:
+        raise TandemError("--chat-template-kwargs needs --chat (it sets variables of the chat template)")
+    return parse_template_variables(args.chat_template_kwargs)
+
+
 def _write_stream(pieces: object) -> None:
     for piece in pieces:  # type: ignore[attr-defined]
         sys.stdout.write(piece)
@@ -112,6 +123,7 @@ def _write_stream(pieces: object) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.n_predict < 0:
         raise TandemError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
+    variables = _template_variables(args)
     llm = _load(args)
     try:
         if args.chat:
@@ -119,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
             if args.system_prompt:
                 messages.append({"role": "system", "content": args.system_prompt})
             messages.append({"role": "user", "content": args.prompt})
-            pieces = llm.chat(messages, max_tokens=args.n_predict, stream=True, **_sampling(args))
+            pieces = llm.chat(
+                messages, chat_template_kwargs=variables, max_tokens=args.n_predict, stream=True, **_sampling(args)
+            )
         else:
             pieces = llm.generate(args.prompt, max_tokens=args.n_predict, stream=True, **_sampling(args))
             sys.stdout.write(args.prompt)
@@ -130,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
+    variables = _template_variables(args)
     llm = _load(args)
-    llm.apply_chat_template([{"role": "user", "content": "hi"}])  # fail before the first prompt
+    llm.apply_chat_template([{"role": "user", "content": "hi"}], chat_template_kwargs=variables)  # fail now, not later
     messages: list[dict[str, str]] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -146,7 +161,10 @@ def chat(args: argparse.Namespace) -> int:
                 break
             messages.append({"role": "user", "content": line})
             reply: list[str] = []
-            for piece in llm.chat(messages, max_tokens=args.n_predict, stream=True, **_sampling(args)):
+            reply_stream = llm.chat(
+                messages, chat_template_kwargs=variables, max_tokens=args.n_predict, stream=True, **_sampling(args)
+            )
+            for piece in reply_stream:
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

@@ -97,6 +97,15 @@ def _add_compare_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}'",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,12 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("-sys", "--system-prompt", default=None, help="system message (with --chat)")
+    _add_template_flag(run)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (keeps the KV cache between turns)")
     _add_model_flags(chat)
     _add_sampling_flags(chat)
     chat.add_argument("-n", "--n-predict", type=int, default=512, help="max tokens per reply (default 512)")
     chat.add_argument("-sys", "--system-prompt", default=None, help="system message")
+    _add_template_flag(chat)
 
     inspect = sub.add_parser("inspect", help="metadata, sizes, quant mix and the tensor table")
     inspect.add_argument("-m", "--model", help="GGUF file (default: the bundled model)")

@@ -17,8 +17,7 @@ from tandem.errors import ChatTemplateError
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 MISSING_TEMPLATE = (
-    "model has no chat template (tokenizer.chat_template); use `run` without --chat or "
-    "give a template explicitly"
+    "model has no chat template (tokenizer.chat_template); use `run` without --chat or give a template explicitly"
 )
 
 
@@ -62,9 +61,7 @@ _env: _StrictSandbox | None = None
 def _environment() -> _StrictSandbox:
     global _env
     if _env is None:
-        env = _StrictSandbox(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-        )
+        env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -81,6 +78,33 @@ def chat_template_from_metadata(metadata: Mapping[str, Any]) -> str | None:
     """The model's default chat template (`tokenizer.chat_template`), or None if the file has none."""
     template = metadata.get(CHAT_TEMPLATE_KEY)
     return str(template) if template else None
+
+
+# Variables render_chat sets itself; extra template variables may not replace them.
+RESERVED_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_variables(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Extra chat template variables (e.g. {"enable_thinking": False}, as llama.cpp's --chat-template-kwargs and
+    vLLM's chat_template_kwargs), checked: a mapping of names that render_chat does not set itself."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
+        raise ChatTemplateError('chat template kwargs must be a JSON object of names, e.g. {"enable_thinking": false}')
+    taken = [k for k in extra if k in RESERVED_VARIABLES]
+    if taken:
+        raise ChatTemplateError(f"chat template kwargs may not set {', '.join(taken)}: tandem sets them")
+    return dict(extra)
+
+
+def parse_template_variables(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object of extra chat template variables."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{e.msg} at character {e.pos}"
+        raise ChatTemplateError(f"--chat-template-kwargs is not JSON ({where}): {text!r}") from None
+    return template_variables(value)
 
 
 def render_chat(
