@@ -443,6 +443,7 @@ def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch
     from tandem.bench.spec import BenchSettings
 
     ran: list[tuple[str, int]] = []
+    tg_s = iter([0.2, 0.25, 0.4, 0.5, 0.8, 1.0] * 2)  # each repetition its own decode time: 10, 8, 5, 4, 2.5, 2 tok/s
 
     def fake_run_worker(cmd: list[str], timeout_s: float, **kw: object) -> compare.RunOutcome:
         engine = "tandem" if "tandem.bench.worker" in cmd else "llamacpp"
@@ -450,7 +451,7 @@ def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch
         ran.append((engine, reps))
         got = []
         for _ in range(reps):
-            rep = {"pp_s": {"4": [0.1]}, "tg_s": [0.2], "load_s": 1.0, "peak_rss_bytes": 1}
+            rep = {"pp_s": {"4": [0.1]}, "tg_s": [next(tg_s)], "load_s": 1.0, "peak_rss_bytes": 1}
             rep["vram"] = {"used_bytes": None, "source": None}
             kw["on_rep"](rep)  # type: ignore[operator]
             got.append(rep)
@@ -464,4 +465,7 @@ def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch
     assert report.all_ok and all(row.reps_done == 3 and len(row.walls) == 2 for row in report.rows)
     once = [("tandem", 2), ("llamacpp", 2), ("llamacpp", 1), ("tandem", 1)]
     assert ran == once + once
-    assert "in the order tandem, llama.cpp, llama.cpp, tandem" in render_markdown(report)
+    text = render_markdown(report)
+    assert "in the order tandem, llama.cpp, llama.cpp, tandem" in text
+    # Each row's decode speeds, repetition by repetition in the order run (tandem: its first process, then its last).
+    assert "- tandem `cpu`: 10.0, 8.0, 2.0\n" in text and "- llama.cpp `cpu`: 5.0, 4.0, 2.5\n" in text

@@ -319,6 +319,12 @@ def render_markdown(report: Report) -> str:
         + "Peak RSS: the worker process's ru_maxrss (mmapped weights count as they are touched). "
         "Load: opening the model to ready; warm-up: the one untimed prefill and decode before the repetitions.",
     ]
+    repeated = [r for r in report.rows if sum(len(run["tg_s"]) for run in r.runs) > 1]
+    if repeated:  # the spread within a row is the machine's noise: what a ratio near 1 must be read against
+        lines += ["", f"tg{s.tg} tok/s of each repetition, in the order run:", ""]
+        for r in repeated:
+            speeds = ", ".join(_num(s.tg / t) for run in r.runs for t in run["tg_s"])
+            lines.append(f"- {ENGINE_NAMES.get(r.engine, r.engine)} `{r.placement.label}`: {speeds}")
     translated = [r for r in report.rows if r.engine == "llamacpp" and isinstance(r.llama, dict)]
     if translated:
         lines += ["", "llama.cpp placements (n_gpu_layers; tensor_buft_overrides, first match wins):", ""]
