@@ -1,15 +1,20 @@
 #!/usr/bin/env python
-"""Record llama.cpp's logits for the tiny Qwen3.5-MoE and Qwen3-Next models
-(tests/fixtures/qwen35moe_llamacpp.json), so that tests/test_qwen35moe.py can check tandem against the
-reference reader of these GGUF files, not only against transformers.
+"""Record llama.cpp's logits for tiny models, so that the tests can check tandem against the reference
+reader of these GGUF files, not only against transformers:
 
-    python scripts/record_qwen35moe_fixture.py [--lib DIR] [--out PATH] [--threads N]
+* tests/fixtures/qwen35moe_llamacpp.json: the tiny Qwen3.5-MoE and Qwen3-Next (tests/test_qwen35moe.py);
+* tests/fixtures/gemma4_llamacpp.json: the tiny Gemma 4 MoE (tests/test_gpt_oss_gemma4.py; an expected
+  failure: llama.cpp's CPU GELU reads an f16 table, see the test).
 
-The parent process builds each model (tests/tiny_models.make_tiny_qwen35moe / make_tiny_qwen3next, seed 0)
-and its F32 GGUF with tandem's converter, then runs llama-cpp-python (CPU build, default
+    python scripts/record_qwen35moe_fixture.py [--fixture all|qwen35moe|gemma4] [--lib DIR] [--out-dir DIR]
+                                               [--threads N]
+
+The parent process builds each model (tests/tiny_models.make_tiny_<arch>, seed 0) and its F32 GGUF with
+tandem's converter, as tests/conftest.py does, then runs llama-cpp-python (CPU build, default
 $HOME/.cache/tandem/peers/llama_cpp_cpu) in a child process (llama_cpp must be imported before numpy
-there). Per prompt, from an empty cache: all positions' logits of one batch (llama.cpp's chunked
-delta-net), then the last DECODE_STEPS tokens again one by one after the rest (its autoregressive form).
+there). Per prompt, from an empty cache: all positions' logits of one batch (for the Qwen models,
+llama.cpp's chunked delta-net), then the last DECODE_STEPS tokens again one by one after the rest (its
+autoregressive form); the same prompts for every model, the longer one past Gemma 4's sliding window.
 F32 K/V cache, no flash attention. To keep the file small only the logits of COLUMNS seeded vocabulary
 ids are stored (base64 float32). The fixture records each GGUF's sha256, so the test can tell when a tiny
 model no longer builds bit-identically.
@@ -30,9 +35,10 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
-DEFAULT_OUT = os.path.join(REPO, "tests", "fixtures", "qwen35moe_llamacpp.json")
-ARCHES = ("qwen35moe", "qwen3next")
-PROMPT_LENGTHS = (7, 80)  # 80 > one delta-net chunk (64)
+FIXTURES_DIR = os.path.join(REPO, "tests", "fixtures")
+# fixture name (file <name>_llamacpp.json) -> the tiny models it holds
+FIXTURES: dict[str, tuple[str, ...]] = {"qwen35moe": ("qwen35moe", "qwen3next"), "gemma4": ("gemma4",)}
+PROMPT_LENGTHS = (7, 80)  # 80 > one delta-net chunk (64) and > the tiny Gemma 4's sliding window (16)
 DECODE_STEPS = 5
 N_COLUMNS = 64
 SEED = 4321
@@ -103,8 +109,9 @@ def worker(lib: str, model: str, threads: int, job_json: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture", choices=["all", *FIXTURES], default="all")
     ap.add_argument("--lib", default=DEFAULT_LIB)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out-dir", default=FIXTURES_DIR)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "JOB_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -114,14 +121,23 @@ def main() -> int:
     if not os.path.isdir(os.path.join(args.lib, "llama_cpp")):
         print(f"llama-cpp-python not found under {args.lib}", file=sys.stderr)
         return 1
-    prompts, columns = prompts_and_columns(512)
+    for name in FIXTURES if args.fixture == "all" else [args.fixture]:
+        if (rc := record(name, args.lib, args.threads, os.path.join(args.out_dir, f"{name}_llamacpp.json"))) != 0:
+            return rc
+    return 0
+
+
+def record(name: str, lib: str, threads: int, out: str) -> int:
+    """Build the fixture's GGUFs, run llama.cpp on each in a child process and write the fixture to out."""
+    arches = FIXTURES[name]
+    prompts, columns = prompts_and_columns(512)  # every tiny model has tiny_models.VOCAB_SIZE (512) ids
     result: dict[str, object] = {"columns": columns, "decode_steps": DECODE_STEPS, "models": {}}
     version = ""
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ARCHES:
+        for arch in arches:
             model = build_gguf(arch, tmp)
             job = json.dumps({"prompts": prompts, "columns": columns})
-            cmd = [sys.executable, os.path.abspath(__file__), "--lib", args.lib, "--threads", str(args.threads),
+            cmd = [sys.executable, os.path.abspath(__file__), "--lib", lib, "--threads", str(threads),
                    "--worker", model, job]  # fmt: skip
             run = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if run.returncode != 0:
@@ -130,18 +146,19 @@ def main() -> int:
             got = json.loads(run.stdout)
             version = got["llama_cpp_version"]
             result["models"][arch] = {"gguf_sha256": sha256_file(model), "prompts": got["prompts"]}  # type: ignore[index]
+    factory = f"make_tiny_{arches[0]}" if len(arches) == 1 else f"make_tiny_{{{','.join(arches)}}}"
     result["meta"] = {
-        "models": "tests/tiny_models.make_tiny_{qwen35moe,qwen3next}(seed=0), converted to F32 by tandem",
+        "models": f"tests/tiny_models.{factory}(seed=0), converted to F32 by tandem",
         "llama_cpp_python": version,
         "settings": "n_ctx 128, one batch per prompt, logits_all, F32 K/V, no flash attention; "
         f"then the last {DECODE_STEPS} tokens one at a time",
-        "threads": args.threads,
+        "threads": threads,
         "date": datetime.date.today().isoformat(),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes)", file=sys.stderr)
+    print(f"wrote {out} ({os.path.getsize(out)} bytes)", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,6 @@
 """gpt-oss and Gemma 4 beyond the shared logits runner: chat templates from the converted metadata, the
-GGUF layout llama.cpp expects, Gemma 4's `tokenizer.json` vocabulary, and the FFN split of Gemma 4."""
+GGUF layout llama.cpp expects, Gemma 4's `tokenizer.json` vocabulary, the FFN split of Gemma 4, and Gemma 4's
+logits against llama.cpp's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import gguf
 import pytest
 import torch
+from llamacpp_logits import assert_logits_match_llama_cpp
 
 import tandem
 import tandem.api
@@ -218,6 +220,31 @@ def test_gemma4_gguf_layout_and_parallel_ffn(tiny_gemma4_gguf: tuple[Path, Path]
         assert isinstance(block.ffn, ParallelFFN) and block.ffn_norm is None
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(block.ffn(x), block.ffn.dense(x) + block.ffn.sparse(x))
+
+
+GEMMA4_LLAMA_CPP = Path(__file__).parent / "fixtures" / "gemma4_llamacpp.json"
+
+
+# Measured: 5.4e-4 (7 tokens) and 1.3e-3 (80 tokens), prefill and decode alike. Layer by layer, from
+# llama.cpp's input to each layer (80 tokens): attention of both kinds within 3.3e-6, router logits within
+# 1e-7, but the dense GEGLU 3e-4 to 5e-4 and the experts' branch 1.3e-3 to 1.5e-3 apart. Emulating ggml's
+# table in tandem still leaves 1.9e-4: the f16 rounding of the GELU input turns the ~1e-6 differences of
+# summation order into whole f16 steps.
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="llama.cpp's CPU GELU reads an f16 table (GGML_GELU_FP16) even for F32 weights; tandem computes "
+    "transformers' tanh formula for float files, and transformers is itself 5.4e-4 / 1.3e-3 from llama.cpp on "
+    "these prompts: no implementation is within 2e-5 of both",
+)
+def test_gemma4_logits_match_llama_cpp(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
+    """Against llama.cpp reading the same GGUF (scripts/record_qwen35moe_fixture.py --fixture gemma4): a prefill
+    in one batch and the last tokens decoded one at a time, on 7 and 80 tokens (past the sliding window of 16)."""
+    fx = json.loads(GEMMA4_LLAMA_CPP.read_text(encoding="utf-8"))
+    model = fx["models"]["gemma4"]
+    assert_logits_match_llama_cpp(tiny_gemma4_gguf[1], model["prompts"], model["gguf_sha256"], label="gemma4",
+                                  script="scripts/record_qwen35moe_fixture.py --fixture gemma4",
+                                  columns=fx["columns"], decode_steps=fx["decode_steps"])  # fmt: skip
 
 
 def test_cpu_experts_run_as_one_ggml_graph(

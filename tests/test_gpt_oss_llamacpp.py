@@ -4,43 +4,27 @@ extra packages to load them). The reference logits come from scripts/record_gpt_
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from llamacpp_logits import assert_logits_match_llama_cpp
 
-import tandem
 from tandem.gguf import open_gguf
 from tandem.layers.rope import Rope, RopeSpec, YarnSpec, yarn_corr_dims
 from tandem.models import read_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MAX_ABS_DIFF = 2e-5  # the same bound as the transformers comparisons (f32 weights and cache)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("variant", ["yarn", "mxfp4"])
 def test_logits_match_llama_cpp(variant: str, request: pytest.FixtureRequest) -> None:
     _, gguf_path = request.getfixturevalue(f"tiny_gpt_oss_{variant}_gguf")
     fx = json.loads((FIXTURES / f"gpt_oss_{variant}_llamacpp.json").read_text(encoding="utf-8"))
-    if _sha256(gguf_path) != fx["meta"]["gguf_sha256"]:
-        pytest.fail(f"the tiny {variant} gpt-oss no longer converts to the recorded GGUF: re-run "
-                    "scripts/record_gpt_oss_fixtures.py")  # fmt: skip
-    with tandem.LLM(gguf_path, cache_type="f32", threads=2) as llm:
-        for prompt in fx["prompts"]:
-            ids = prompt["ids"]
-            ref = np.frombuffer(base64.b64decode(prompt["logits_b64"]), dtype=np.float32).reshape(len(ids), -1)
-            ours = llm.logits(ids)
-            diff = float(np.abs(ours - ref).max())
-            print(f"gpt-oss {variant} vs llama.cpp T={len(ids)} max|diff|={diff:.2e}")
-            assert diff < MAX_ABS_DIFF, f"{len(ids)} tokens: max |diff| {diff}"
+    assert_logits_match_llama_cpp(gguf_path, fx["prompts"], fx["meta"]["gguf_sha256"], label=f"{variant} gpt-oss",
+                                  script="scripts/record_gpt_oss_fixtures.py")  # fmt: skip
 
 
 def test_mxfp4_experts_are_repacked_losslessly(tiny_gpt_oss_mxfp4_gguf: tuple[Path, Path]) -> None:

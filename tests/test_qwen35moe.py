@@ -3,14 +3,13 @@ the converted metadata and the chat template. (Logits against transformers: test
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from llamacpp_logits import assert_logits_match_llama_cpp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tandem
@@ -28,7 +27,6 @@ from tandem.tokenizer.chat_template import chat_template_from_metadata, render_c
 
 REUSE_ATOL = 2e-5  # same model, same tokens, different batching: only float32 rounding differs
 LLAMA_CPP_FIXTURE = Path(__file__).parent / "fixtures" / "qwen35moe_llamacpp.json"
-MAX_ABS_DIFF = 2e-5  # the bound of the transformers comparisons (f32 weights and cache)
 
 
 def _inputs(t: int, h: int = 3, dk: int = 8, dv: int = 8, seed: int = 0) -> list[torch.Tensor]:
@@ -302,26 +300,9 @@ def test_logits_match_llama_cpp(arch: str, request: pytest.FixtureRequest) -> No
     _, path = request.getfixturevalue(f"tiny_{arch}_gguf")
     fx = json.loads(LLAMA_CPP_FIXTURE.read_text(encoding="utf-8"))
     model = fx["models"][arch]
-    if hashlib.sha256(path.read_bytes()).hexdigest() != model["gguf_sha256"]:
-        pytest.fail(f"the tiny {arch} no longer converts to the recorded GGUF: "
-                    "re-run scripts/record_qwen35moe_fixture.py")  # fmt: skip
-    cols, n_steps = fx["columns"], fx["decode_steps"]
-
-    def ref(b64: str) -> np.ndarray:
-        return np.frombuffer(base64.b64decode(b64), dtype=np.float32).reshape(-1, len(cols))
-
-    with tandem.LLM(path, cache_type="f32", threads=2) as llm:
-        for prompt in model["prompts"]:
-            ids = prompt["ids"]
-            full = llm.logits(ids)[:, cols]
-            llm.engine.reset()
-            llm.engine.feed(ids[: len(ids) - n_steps])
-            steps = np.stack([llm.engine.append([t]).numpy()[cols] for t in ids[len(ids) - n_steps :]])
-            diff_full = float(np.abs(full - ref(prompt["logits_b64"])).max())
-            diff_steps = float(np.abs(steps - ref(prompt["decode_b64"])).max())
-            print(f"{arch} vs llama.cpp T={len(ids)}: prefill {diff_full:.2e}, decode {diff_steps:.2e}")
-            assert diff_full < MAX_ABS_DIFF and diff_steps < MAX_ABS_DIFF
-
+    assert_logits_match_llama_cpp(path, model["prompts"], model["gguf_sha256"], label=arch,
+                                  script="scripts/record_qwen35moe_fixture.py", columns=fx["columns"],
+                                  decode_steps=fx["decode_steps"])  # fmt: skip
 
 
 def test_value_head_reorder_is_grouped_to_tiled() -> None:
