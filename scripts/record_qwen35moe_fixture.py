@@ -3,14 +3,15 @@
 reader of these GGUF files, not only against transformers:
 
 * tests/fixtures/qwen35moe_llamacpp.json: the tiny Qwen3.5-MoE and Qwen3-Next (tests/test_qwen35moe.py);
-* tests/fixtures/gemma4_llamacpp.json: the tiny Gemma 4 MoE (tests/test_gpt_oss_gemma4.py; an expected
-  failure: llama.cpp's CPU GELU reads an f16 table, see the test).
+* tests/fixtures/gemma4_llamacpp.json: the tiny Gemma 4 MoE converted to Q8_0 (tests/test_gpt_oss_gemma4.py).
+  Q8_0, not F32: llama.cpp's CPU GELU reads ggml's f16 table, which tandem follows for quantized files only;
+  for float files it keeps transformers' tanh formula, ~1e-3 from llama.cpp (docs/gemma4_gelu.md).
 
     python scripts/record_qwen35moe_fixture.py [--fixture all|qwen35moe|gemma4] [--lib DIR] [--out-dir DIR]
                                                [--threads N]
 
-The parent process builds each model (tests/tiny_models.make_tiny_<arch>, seed 0) and its F32 GGUF with
-tandem's converter, as tests/conftest.py does, then runs llama-cpp-python (CPU build, default
+The parent process builds each model (tests/tiny_models.make_tiny_<arch>, seed 0) and its GGUF (F32, Q8_0
+for Gemma 4) with tandem's converter, as tests/conftest.py does, then runs llama-cpp-python (CPU build, default
 $HOME/.cache/tandem/peers/llama_cpp_cpu) in a child process (llama_cpp must be imported before numpy
 there). Per prompt, from an empty cache: all positions' logits of one batch (for the Qwen models,
 llama.cpp's chunked delta-net), then the last DECODE_STEPS tokens again one by one after the rest (its
@@ -36,8 +37,11 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
 FIXTURES_DIR = os.path.join(REPO, "tests", "fixtures")
-# fixture name (file <name>_llamacpp.json) -> the tiny models it holds
-FIXTURES: dict[str, tuple[str, ...]] = {"qwen35moe": ("qwen35moe", "qwen3next"), "gemma4": ("gemma4",)}
+# fixture name (file <name>_llamacpp.json) -> the tiny models it holds and convert_hf's outtype for them
+FIXTURES: dict[str, tuple[tuple[str, ...], str]] = {
+    "qwen35moe": (("qwen35moe", "qwen3next"), "f32"),
+    "gemma4": (("gemma4",), "q8_0"),  # quantized: the GELU is ggml's table in tandem as in llama.cpp
+}
 PROMPT_LENGTHS = (7, 80)  # 80 > one delta-net chunk (64) and > the tiny Gemma 4's sliding window (16)
 DECODE_STEPS = 5
 N_COLUMNS = 64
@@ -51,8 +55,8 @@ def prompts_and_columns(n_vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, sorted(rng.sample(range(n_vocab), N_COLUMNS))
 
 
-def build_gguf(arch: str, out_dir: str) -> str:
-    """The tiny checkpoint of `arch` and its F32 GGUF under out_dir (as tests/conftest.py builds it)."""
+def build_gguf(arch: str, out_dir: str, outtype: str = "f32") -> str:
+    """The tiny checkpoint of `arch` and its GGUF of `outtype` under out_dir (as tests/conftest.py builds it)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     sys.path.insert(0, os.path.join(REPO, "src"))
     import tiny_models
@@ -61,7 +65,7 @@ def build_gguf(arch: str, out_dir: str) -> str:
 
     base = os.path.join(out_dir, arch)
     hf_dir = getattr(tiny_models, f"make_tiny_{arch}")(os.path.join(base, "hf"), seed=0)
-    return str(convert_hf(hf_dir, os.path.join(base, f"tiny_{arch}-f32.gguf"), "f32"))
+    return str(convert_hf(hf_dir, os.path.join(base, f"tiny_{arch}-{outtype}.gguf"), outtype))
 
 
 def sha256_file(path: str) -> str:
@@ -129,13 +133,13 @@ def main() -> int:
 
 def record(name: str, lib: str, threads: int, out: str) -> int:
     """Build the fixture's GGUFs, run llama.cpp on each in a child process and write the fixture to out."""
-    arches = FIXTURES[name]
+    arches, outtype = FIXTURES[name]
     prompts, columns = prompts_and_columns(512)  # every tiny model has tiny_models.VOCAB_SIZE (512) ids
     result: dict[str, object] = {"columns": columns, "decode_steps": DECODE_STEPS, "models": {}}
     version = ""
     with tempfile.TemporaryDirectory() as tmp:
         for arch in arches:
-            model = build_gguf(arch, tmp)
+            model = build_gguf(arch, tmp, outtype)
             job = json.dumps({"prompts": prompts, "columns": columns})
             cmd = [sys.executable, os.path.abspath(__file__), "--lib", lib, "--threads", str(threads),
                    "--worker", model, job]  # fmt: skip
@@ -148,7 +152,7 @@ def record(name: str, lib: str, threads: int, out: str) -> int:
             result["models"][arch] = {"gguf_sha256": sha256_file(model), "prompts": got["prompts"]}  # type: ignore[index]
     factory = f"make_tiny_{arches[0]}" if len(arches) == 1 else f"make_tiny_{{{','.join(arches)}}}"
     result["meta"] = {
-        "models": f"tests/tiny_models.{factory}(seed=0), converted to F32 by tandem",
+        "models": f"tests/tiny_models.{factory}(seed=0), converted to {outtype.upper()} by tandem",
         "llama_cpp_python": version,
         "settings": "n_ctx 128, one batch per prompt, logits_all, F32 K/V, no flash attention; "
         f"then the last {DECODE_STEPS} tokens one at a time",

@@ -83,6 +83,16 @@ def tiny_gemma4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma4_q8_0_gguf(
+    tiny_gemma4_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The same tiny Gemma 4 converted to Q8_0 (norms, router and scales stay F32): quantized, its GEGLUs read
+    ggml's f16 GELU table as llama.cpp's do (the float file keeps transformers' tanh formula)."""
+    hf_dir = tiny_gemma4_gguf[0]
+    return hf_dir, convert_hf(hf_dir, tmp_path_factory.mktemp("tiny_gemma4_q8_0") / "tiny_gemma4-q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_mxfp4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The same tiny gpt-oss with its experts stored as MXFP4 blocks/scales (repacked, not requantized)."""
     return _build(tmp_path_factory, "tiny_gpt_oss_mxfp4", lambda d: make_tiny_gpt_oss(d, mxfp4=True))

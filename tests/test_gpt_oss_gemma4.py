@@ -225,36 +225,31 @@ def test_gemma4_gguf_layout_and_parallel_ffn(tiny_gemma4_gguf: tuple[Path, Path]
 GEMMA4_LLAMA_CPP = Path(__file__).parent / "fixtures" / "gemma4_llamacpp.json"
 
 
-# Measured: 5.4e-4 (7 tokens) and 1.3e-3 (80 tokens), prefill and decode alike. Layer by layer, from
-# llama.cpp's input to each layer (80 tokens): attention of both kinds within 3.3e-6, router logits within
-# 1e-7, but the dense GEGLU 3e-4 to 5e-4 and the experts' branch 1.3e-3 to 1.5e-3 apart. Emulating ggml's
-# table in tandem still leaves 1.9e-4: the f16 rounding of the GELU input turns the ~1e-6 differences of
-# summation order into whole f16 steps.
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="llama.cpp's CPU GELU reads an f16 table (GGML_GELU_FP16) even for F32 weights; tandem computes "
-    "transformers' tanh formula for float files, and transformers is itself 5.4e-4 / 1.3e-3 from llama.cpp on "
-    "these prompts: no implementation is within 2e-5 of both",
-)
-def test_gemma4_logits_match_llama_cpp(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
-    """Against llama.cpp reading the same GGUF (scripts/record_qwen35moe_fixture.py --fixture gemma4): a prefill
-    in one batch and the last tokens decoded one at a time, on 7 and 80 tokens (past the sliding window of 16)."""
+def test_gemma4_logits_match_llama_cpp(tiny_gemma4_q8_0_gguf: tuple[Path, Path]) -> None:
+    """The tiny Gemma 4 in Q8_0 against llama.cpp reading the same GGUF (scripts/record_qwen35moe_fixture.py
+    --fixture gemma4): a prefill in one batch and the last tokens decoded one at a time, on 7 and 80 tokens
+    (past the sliding window of 16). Quantized, so that both GEGLUs read ggml's f16 GELU table in tandem as in
+    llama.cpp; a float file keeps transformers' tanh formula, ~1e-3 from llama.cpp (docs/gemma4_gelu.md)."""
     fx = json.loads(GEMMA4_LLAMA_CPP.read_text(encoding="utf-8"))
     model = fx["models"]["gemma4"]
-    assert_logits_match_llama_cpp(tiny_gemma4_gguf[1], model["prompts"], model["gguf_sha256"], label="gemma4",
-                                  script="scripts/record_qwen35moe_fixture.py --fixture gemma4",
+    with tandem.LLM(tiny_gemma4_q8_0_gguf[1], cache_type="f32", threads=1, n_ctx=64) as llm:
+        assert llm.config.activation == "gelu_tanh_ggml"
+    assert_logits_match_llama_cpp(tiny_gemma4_q8_0_gguf[1], model["prompts"], model["gguf_sha256"],
+                                  label="gemma4 Q8_0", script="scripts/record_qwen35moe_fixture.py --fixture gemma4",
                                   columns=fx["columns"], decode_steps=fx["decode_steps"])  # fmt: skip
 
 
 def test_cpu_experts_run_as_one_ggml_graph(
-    tiny_gpt_oss_gguf: tuple[Path, Path], tiny_gemma4_gguf: tuple[Path, Path], tmp_path: Path
+    tiny_gpt_oss_gguf: tuple[Path, Path], tiny_gemma4_gguf: tuple[Path, Path], tiny_gemma4_q8_0_gguf: tuple[Path, Path]
 ) -> None:
     """On the CPU, gpt-oss's experts (biases, clamped SwiGLU) and a quantized Gemma 4's (fused gate_up, ggml's
     table GEGLU, per-expert scale) run as one ggml graph per layer; a float Gemma 4 keeps transformers' tanh
     formula, which no ggml op computes, and runs its products one by one."""
-    gemma4_q8 = convert_hf(tiny_gemma4_gguf[0], tmp_path / "gemma4-q8_0.gguf", "q8_0")
-    for path, one_graph in ((tiny_gpt_oss_gguf[1], True), (gemma4_q8, True), (tiny_gemma4_gguf[1], False)):
+    for path, one_graph in (
+        (tiny_gpt_oss_gguf[1], True),
+        (tiny_gemma4_q8_0_gguf[1], True),
+        (tiny_gemma4_gguf[1], False),
+    ):
         with tandem.LLM(path, cache_type="f32", threads=1, n_ctx=64) as llm:
             ffns = [b.ffn.sparse if isinstance(b.ffn, ParallelFFN) else b.ffn for b in llm.model.blocks]
             experts = [ffn.experts for ffn in ffns if hasattr(ffn, "experts")]

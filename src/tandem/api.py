@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +40,20 @@ def default_model_path() -> Path:
 def default_threads() -> int:
     """Physical cores: ggml's kernels gain nothing from hyper-threads and suffer from sharing."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@functools.cache
+def initialise_vector_math() -> None:
+    """Make torch's first MKL vector-math call of the process on one element, before any parallel one.
+
+    torch's CPU tanh, exp and the like call MKL's vector math library (VML). The first VML call of a process,
+    when torch splits it over OpenMP threads, sometimes computes one thread's share less accurately (torch
+    2.13 / MKL 2024.2, 2 threads, OMP_WAIT_POLICY=PASSIVE: up to 5.2e-5 relative error for tanh in ~11 % of
+    fresh processes, 1.8e-5 for exp in ~5 %); later calls were exact. tandem's first VML call is usually
+    Gemma's final logit softcap: on the tiny Q8_0 Gemma 4, the 7-token prefill of ~2.5 % of fresh processes
+    was 9e-5 from llama.cpp instead of 1.2e-7. A call on one element runs without a parallel region and
+    leaves VML initialised for the process (docs/gemma4_gelu.md)."""
+    torch.tanh(torch.zeros(1))
 
 
 def _progress(plan: PlacementPlan, callback: Callable[[int, int], None] | None) -> Callable[[TensorInfo], None] | None:
@@ -112,6 +127,7 @@ class LLM:
         self.threads = threads or default_threads()
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
+        initialise_vector_math()
         on_tensor = _progress(self.plan, progress)
         loader = WeightLoader(
             self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts
