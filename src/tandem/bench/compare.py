@@ -320,7 +320,7 @@ class Comparison:
     def _schedule(self) -> list[tuple[int, str, int]]:
         """(placement, engine, repetitions) of each worker process, in order (the module docstring)."""
         reps = self.settings.reps
-        first = -(-reps // 2) if len(self.engines) > 1 else reps
+        first = self.settings.first_process_reps(len(self.engines))
         order = []
         for i in range(len(self.placements)):
             order += [(i, e, first) for e in self.engines]

@@ -261,8 +261,8 @@ def _cpu_line(machine: dict[str, Any]) -> str:
 def _schedule_line(report: Report) -> str:
     """How the worker processes ran (bench/compare.py's schedule)."""
     reps = report.settings.reps
-    if len(report.engines) > 1 and reps > 1:
-        first = -(-reps // 2)
+    first = report.settings.first_process_reps(len(report.engines))
+    if first < reps:
         return (
             "two worker processes per engine x placement, in the order "
             + ", ".join(ENGINE_NAMES[e] for e in (*report.engines, *reversed(report.engines)))

@@ -148,6 +148,11 @@ class BenchSettings:
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
     repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
 
+    def first_process_reps(self, n_engines: int) -> int:
+        """Repetitions of a row's first worker process (compare.py's schedule): with two engines and more than one
+        repetition, half of them rounded up (a second process runs the rest); else all of them."""
+        return -(-self.reps // 2) if n_engines > 1 else self.reps
+
     def validate(self) -> None:
         """Raise TandemError (a usage error) for sizes no run could use."""
         if not self.pp or min(self.pp) <= 0 or self.tg <= 0 or self.reps <= 0:

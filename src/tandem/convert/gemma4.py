@@ -174,6 +174,7 @@ def _special_texts(hf_dir: Path) -> set[str]:
 
 
 def _show_visible_tokens(tokens: list[bytes], toktypes: list[int]) -> None:
+    """Mark the channel and tool markers USER_DEFINED (shown in the text, for chat parsers), as llama.cpp does."""
     for i, tok in enumerate(tokens):
         if tok.decode("utf-8", errors="replace") in _VISIBLE_TOKENS:
             toktypes[i] = gguf.TokenType.USER_DEFINED
