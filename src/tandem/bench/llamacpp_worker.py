@@ -189,9 +189,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tg_s = time.perf_counter() - t
         return pp_s, tg_s
 
+    def memory(vram: Any) -> dict[str, Any]:  # a VramReading (vram.py, loaded by path like protocol)
+        return {"peak_rss_bytes": protocol.peak_rss_bytes(), "vram": vram.as_dict(), "torch_peak_bytes": None}
+
     pp_sizes = [int(v) for v in args.pp.split(",")]
-    clock = protocol.RepClock(args.deadline)
-    reps: list[tuple[dict[int, float], float]] = []
     common = {
         "engine": "llamacpp",
         "load_s": load_s,
@@ -203,43 +204,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         one_rep(sorted({min(pp, args.batch_size) for pp in pp_sizes}), min(args.tg, 4), seed=-1)
         common["warmup_s"] = time.perf_counter() - t
-        for r in range(args.reps):
-            if not clock.may_start(r):
-                break
-            protocol.maybe_inject("llamacpp", rep=r)
-            t = time.perf_counter()
-            pp_s, tg_s = one_rep(pp_sizes, args.tg, args.seed + r)
-            clock.last_s = time.perf_counter() - t
-            reps.append((pp_s, tg_s))
-            protocol.emit_rep(
-                {
-                    **common,
-                    "rep": r,
-                    "seed": args.seed + r,
-                    "pp_s": {str(pp): [pp_s[pp]] for pp in pp_sizes},
-                    "tg_s": [tg_s],
-                    "rep_wall_s": clock.last_s,
-                    "peak_rss_bytes": protocol.peak_rss_bytes(),
-                    "vram": sampler.reading.as_dict(),  # the peak so far
-                    "torch_peak_bytes": None,
-                }
-            )
+        done = protocol.timed_reps("llamacpp", one_rep, pp_sizes, args, common, lambda: memory(sampler.reading))
     finally:
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
-    reading = sampler.stop()
-    return {
-        **common,
-        "ok": True,
-        "reps_done": len(reps),
-        "reps_asked": args.reps,
-        "stopped": None if len(reps) == args.reps else "deadline",
-        "pp_s": {str(pp): [r[0][pp] for r in reps] for pp in pp_sizes},
-        "tg_s": [r[1] for r in reps],
-        "peak_rss_bytes": protocol.peak_rss_bytes(),
-        "vram": reading.as_dict(),
-        "torch_peak_bytes": None,
-    }
+    return protocol.run_result(common, done, args.reps, pp_sizes, memory(sampler.stop()))
 
 
 def main(argv: list[str] | None = None) -> int:

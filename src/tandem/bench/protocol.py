@@ -11,6 +11,7 @@ importing the `tandem` package (whose import pulls in numpy and torch; see llama
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -128,3 +129,58 @@ class RepClock:
 
     def may_start(self, rep: int) -> bool:
         return rep == 0 or self.deadline is None or time.time() + self.last_s <= self.deadline
+
+
+Rep = tuple[dict[int, float], float]  # one repetition: prefill seconds per prompt length, decode seconds
+
+
+def timed_reps(
+    engine: str,
+    one_rep: Callable[[list[int], int, int], Rep],
+    pp_sizes: list[int],
+    args: argparse.Namespace,
+    common: dict[str, Any],
+    memory: Callable[[], dict[str, Any]],
+) -> list[Rep]:
+    """Time up to `args.reps` repetitions of one_rep(pp_sizes, args.tg, args.seed + r) while `args.deadline`
+    allows (RepClock), printing each as it ends: `common`, the repetition's timings and `memory()` (the peaks
+    so far)."""
+    clock = RepClock(args.deadline)
+    seed = args.seed
+    done: list[Rep] = []
+    for r in range(args.reps):
+        if not clock.may_start(r):
+            break
+        maybe_inject(engine, rep=r)
+        start = time.perf_counter()
+        pp_s, tg_s = one_rep(pp_sizes, args.tg, seed + r)
+        clock.last_s = time.perf_counter() - start
+        done.append((pp_s, tg_s))
+        emit_rep(
+            {
+                **common,
+                "rep": r,
+                "seed": seed + r,
+                "pp_s": {str(pp): [pp_s[pp]] for pp in pp_sizes},
+                "tg_s": [tg_s],
+                "rep_wall_s": clock.last_s,
+                **memory(),
+            }
+        )
+    return done
+
+
+def run_result(
+    common: dict[str, Any], done: list[Rep], reps: int, pp_sizes: list[int], memory: dict[str, Any]
+) -> dict[str, Any]:
+    """A worker's whole result: `common`, every repetition's timings, whether the deadline cut them, `memory`."""
+    return {
+        **common,
+        "ok": True,
+        "reps_done": len(done),
+        "reps_asked": reps,
+        "stopped": None if len(done) == reps else "deadline",
+        "pp_s": {str(pp): [r[0][pp] for r in done] for pp in pp_sizes},
+        "tg_s": [r[1] for r in done],
+        **memory,
+    }

@@ -23,7 +23,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.bench.protocol import RepClock, emit_rep, emit_result, exit_worker, maybe_inject, peak_rss_bytes, prompt_ids
+from tandem.bench.protocol import (
+    emit_result,
+    exit_worker,
+    maybe_inject,
+    peak_rss_bytes,
+    prompt_ids,
+    run_result,
+    timed_reps,
+)
 from tandem.cli.main import int_list
 
 
@@ -66,7 +74,7 @@ def _time_rep(llm: Any, pp_sizes: Sequence[int], tg: int, seed: int, sync: Any) 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model with the placement flags, warm up once, time up to `args.reps` repetitions."""
-    from tandem.bench.vram import VramSampler
+    from tandem.bench.vram import VramReading, VramSampler
 
     sampler = VramSampler().start()  # baseline before anything touches the GPU
     import torch
@@ -100,57 +108,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return int(max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())))
         return None
 
+    def memory(vram: VramReading) -> dict[str, Any]:
+        return {"peak_rss_bytes": peak_rss_bytes(), "vram": vram.as_dict(), "torch_peak_bytes": torch_peak()}
+
     sync()
     load_s = time.perf_counter() - start
-    clock = RepClock(args.deadline)
-    reps: list[tuple[dict[int, float], float]] = []
     try:
         # Where the weights are once loaded (the loader's own account when it gives one), else the plan.
         summary = getattr(llm, "placement_summary", None)
         weight_bytes = dict(summary() if callable(summary) else llm.plan.weight_bytes)
-        n_threads = llm.threads
         start = time.perf_counter()
         warm = sorted({min(pp, args.batch_size) for pp in args.pp})
         _time_rep(llm, warm, min(args.tg, 4), seed=-1, sync=sync)
         warmup_s = time.perf_counter() - start
-        common = {"engine": "tandem", "load_s": load_s, "warmup_s": warmup_s, "threads": n_threads}
+        common = {"engine": "tandem", "load_s": load_s, "warmup_s": warmup_s, "threads": llm.threads}
         common |= {"weight_bytes": weight_bytes, "version": _version()}
-        for r in range(args.reps):
-            if not clock.may_start(r):
-                break
-            maybe_inject("tandem", rep=r)
-            start = time.perf_counter()
-            pp_s, tg_s = _time_rep(llm, args.pp, args.tg, args.seed + r, sync)
-            clock.last_s = time.perf_counter() - start
-            reps.append((pp_s, tg_s))
-            emit_rep(
-                {
-                    **common,
-                    "rep": r,
-                    "seed": args.seed + r,
-                    "pp_s": {str(pp): [pp_s[pp]] for pp in args.pp},
-                    "tg_s": [tg_s],
-                    "rep_wall_s": clock.last_s,
-                    "peak_rss_bytes": peak_rss_bytes(),
-                    "vram": sampler.reading.as_dict(),  # the peak so far
-                    "torch_peak_bytes": torch_peak(),
-                }
-            )
+        time_rep = lambda pps, tg, seed: _time_rep(llm, pps, tg, seed, sync)  # noqa: E731
+        done = timed_reps("tandem", time_rep, args.pp, args, common, lambda: memory(sampler.reading))
     finally:
         llm.close()
-    vram = sampler.stop()
-    return {
-        **common,
-        "ok": True,
-        "reps_done": len(reps),
-        "reps_asked": args.reps,
-        "stopped": None if len(reps) == args.reps else "deadline",
-        "pp_s": {str(pp): [r[0][pp] for r in reps] for pp in args.pp},
-        "tg_s": [r[1] for r in reps],
-        "peak_rss_bytes": peak_rss_bytes(),
-        "vram": vram.as_dict(),
-        "torch_peak_bytes": torch_peak(),
-    }
+    return run_result(common, done, args.reps, args.pp, memory(sampler.stop()))
 
 
 def _version() -> str:
