@@ -146,21 +146,20 @@ def timed_reps(
     allows (RepClock), printing each as it ends: `common`, the repetition's timings and `memory()` (the peaks
     so far)."""
     clock = RepClock(args.deadline)
-    seed = args.seed
     done: list[Rep] = []
     for r in range(args.reps):
         if not clock.may_start(r):
             break
         maybe_inject(engine, rep=r)
         start = time.perf_counter()
-        pp_s, tg_s = one_rep(pp_sizes, args.tg, seed + r)
+        pp_s, tg_s = one_rep(pp_sizes, args.tg, args.seed + r)
         clock.last_s = time.perf_counter() - start
         done.append((pp_s, tg_s))
         emit_rep(
             {
                 **common,
                 "rep": r,
-                "seed": seed + r,
+                "seed": args.seed + r,
                 "pp_s": {str(pp): [pp_s[pp]] for pp in pp_sizes},
                 "tg_s": [tg_s],
                 "rep_wall_s": clock.last_s,

@@ -19,6 +19,7 @@ Exit status 0 with a result line, else non-zero with the error on stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warmup_s = time.perf_counter() - start
         common = {"engine": "tandem", "load_s": load_s, "warmup_s": warmup_s, "threads": llm.threads}
         common |= {"weight_bytes": weight_bytes, "version": _version()}
-        time_rep = lambda pps, tg, seed: _time_rep(llm, pps, tg, seed, sync)  # noqa: E731
+        time_rep = functools.partial(_time_rep, llm, sync=sync)
         done = timed_reps("tandem", time_rep, args.pp, args, common, lambda: memory(sampler.reading))
     finally:
         llm.close()
