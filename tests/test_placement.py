@@ -14,6 +14,7 @@ from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.placement.request import parse_size
+from tandem.runtime.devices import resolve_device
 
 HOST_TABLE = "token_embd.weight"  # untied: read a row at a time, so it stays in host RAM (as in llama.cpp)
 
@@ -81,6 +82,9 @@ def test_override_first_match_wins_and_beats_cpu_moe(tiny_qwen3moe_gguf: tuple[P
         ({"device": "cpu", "gpu_memory": "8GiB"}, "need a GPU device"),
         ({"device": "cuda", "cpu_moe": True, "n_cpu_moe": 1}, "exclusive"),
         ({"device": "cuda", "override_tensor": [r"ffn_down_exps=cpu"]}, "routed experts of layer 0 would be split"),
+        ({"device": "cuda", "n_gpu_layers": 1}, "-ngl 1: tandem keeps all 2 layers on one device"),
+        ({"device": "cuda", "n_gpu_layers": 0}, "-ngl 0 keeps every layer on the CPU"),
+        ({"device": "cpu", "n_gpu_layers": 99}, "-ngl 99 asks for the layers on a GPU"),
     ],
 )
 def test_impossible_requests_fail_fast(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, message: str) -> None:
@@ -117,6 +121,27 @@ def test_budget_works_with_other_flags(tiny_qwen3moe_gguf: tuple[Path, Path]) ->
     assert plan.cpu_expert_layers == (1,)
 
 
+@pytest.mark.parametrize("n_gpu_layers", [2, 99, -1])
+def test_llama_cpp_ngl_for_every_layer_is_the_gpu_plan(
+    tiny_qwen3moe_gguf: tuple[Path, Path], n_gpu_layers: int
+) -> None:
+    """-ngl at least the layer count (llama.cpp's `-ngl 99 --cpu-moe` recipe) plans exactly what tandem plans alone."""
+    _, plain = _plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True)
+    _, with_ngl = _plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True, n_gpu_layers=n_gpu_layers)
+    assert with_ngl.devices == plain.devices
+    assert with_ngl.gpu_bytes() == plain.gpu_bytes()
+
+
+def test_llama_cpp_ngl_0_is_the_cpu(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    assert resolve_device(None, 0) == "cpu"
+    assert resolve_device("cuda", 0) == "cuda"  # kept, so that the request can refuse the contradiction
+    llm = tandem.LLM(tiny_qwen3moe_gguf[1], n_gpu_layers=0)
+    try:
+        assert set(llm.placed.values()) == {"cpu"}
+    finally:
+        llm.close()
+
+
 def test_sizes() -> None:
     assert parse_size("24GiB") == 24 * 2**30
     assert parse_size("20GB") == 20 * 10**9
@@ -145,3 +170,14 @@ def test_inspect_is_a_dry_run_of_a_gpu_plan(
     assert main(["inspect", "-m", path, "--device", "cuda", "--n-cpu-moe", "1", "--tensors"]) == 0
     text = capsys.readouterr().out
     assert "expected VRAM" in text and "experts on the CPU: 1 layers (0..0)" in text
+
+
+def test_cli_takes_llama_cpp_ngl(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
+    """llama.cpp's `-ngl 99 --cpu-moe` command line plans as `--cpu-moe`; a split of the layers is one line, exit 2."""
+    path = str(tiny_qwen3moe_gguf[1])
+    assert main(["inspect", "-m", path, "--device", "cuda", "-ngl", "99", "--cpu-moe", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["request"]["n_gpu_layers"] == 99 and plan["cpu_expert_layers"] == [0, 1]
+    assert main(["inspect", "-m", path, "--device", "cuda", "--n-gpu-layers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: -ngl 1: tandem keeps all 2 layers on one device")

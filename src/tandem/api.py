@@ -20,7 +20,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
-from tandem.runtime.devices import DTYPES, check_executable, default_device
+from tandem.runtime.devices import DTYPES, check_executable, resolve_device
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.kv_cache import CACHE_DTYPES
@@ -87,6 +87,7 @@ class LLM:
         override_tensor: Sequence[str] | None = None,
         gpu_memory: str | int | None = None,
         tp: int = 1,
+        n_gpu_layers: int | None = None,
         dtype: str | None = None,
         cuda_graphs: bool = True,
         progress: Callable[[int, int], None] | None = None,
@@ -94,11 +95,13 @@ class LLM:
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
-        device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible). dtype: compute type on
-        the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32. progress(done, total) is
-        called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode step as CUDA
-        graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts: copy
-        the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
+        device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible; the CPU with n_gpu_layers=0).
+        n_gpu_layers: llama.cpp's -ngl, for its command lines: the layer count or more (or < 0) keeps the layers
+        on the GPU, 0 on the CPU; tandem does not split the layers between devices (a PlacementError).
+        dtype: compute type on the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32.
+        progress(done, total) is called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode
+        step as CUDA graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts:
+        copy the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
         CPU (faster products, host RAM equal to those stacks; llama.cpp leaves `--cpu-moe` experts in the file).
         """
         if n_ctx <= 0:
@@ -114,12 +117,13 @@ class LLM:
         if dtype is not None and dtype not in DTYPES:
             raise TandemError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
         request = PlacementRequest.from_flags(
-            device=device or default_device(),
+            device=resolve_device(device, n_gpu_layers),
             cpu_moe=cpu_moe,
             n_cpu_moe=n_cpu_moe,
             override_tensor=list(override_tensor or []),
             gpu_memory=gpu_memory,
             tp=tp,
+            n_gpu_layers=n_gpu_layers,
         )
         shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
         self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)

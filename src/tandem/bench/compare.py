@@ -438,15 +438,16 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
     from tandem.runtime.kv_cache import CACHE_DTYPES
 
     settings = settings_from_args(args)
-    from tandem.runtime.devices import default_device
+    from tandem.runtime.devices import resolve_device
 
     base = Placement(
-        device=args.device or default_device(),  # resolved here, so both engines get the same one
+        device=resolve_device(args.device, args.n_gpu_layers),  # resolved here, so both engines get the same one
         cpu_moe=args.cpu_moe,
         n_cpu_moe=args.n_cpu_moe,
         override_tensor=tuple(args.override_tensor),
         gpu_memory=args.gpu_memory,
         tp=args.tp,
+        n_gpu_layers=args.n_gpu_layers,
     )
     f = open_gguf(settings.model)
     cfg = read_config(f)

@@ -29,6 +29,7 @@ class Placement:
     override_tensor: tuple[str, ...] = ()
     gpu_memory: str | None = None
     tp: int = 1
+    n_gpu_layers: int | None = None
 
     def request(self) -> PlacementRequest:
         """The validated request (raises PlacementError, a usage error, for bad flags)."""
@@ -39,6 +40,7 @@ class Placement:
             override_tensor=list(self.override_tensor),
             gpu_memory=self.gpu_memory,
             tp=self.tp,
+            n_gpu_layers=self.n_gpu_layers,
         )
 
     def argv(self) -> list[str]:
@@ -54,7 +56,7 @@ class Placement:
             out += ["--gpu-memory", self.gpu_memory]
         if self.tp != 1:
             out += ["--tp", str(self.tp)]
-        return out
+        return out  # not -ngl: checked by request(), it has no effect once the device is resolved
 
     @property
     def label(self) -> str:

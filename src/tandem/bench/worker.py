@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         override_tensor=args.override_tensor,
         gpu_memory=args.gpu_memory,
         tp=args.tp,
+        n_gpu_layers=args.n_gpu_layers,
         repack_experts=args.repack_experts,
         **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
     )

@@ -15,7 +15,7 @@ from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
-from tandem.runtime.devices import default_device
+from tandem.runtime.devices import resolve_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.tokenizer.chat_template import parse_template_variables
 
@@ -89,6 +89,7 @@ def _placement(args: argparse.Namespace) -> dict[str, object]:
         "override_tensor": args.override_tensor,
         "gpu_memory": args.gpu_memory,
         "tp": args.tp,
+        "n_gpu_layers": args.n_gpu_layers,
     }
 
 
@@ -179,7 +180,7 @@ def inspect(args: argparse.Namespace) -> int:
     """A dry run: metadata, quant mix and the placement plan, without reading weights or a GPU."""
     f = open_gguf(args.model or default_model_path())
     cfg = read_config(f)
-    request = PlacementRequest.from_flags(device=args.device or default_device(), **_placement(args))
+    request = PlacementRequest.from_flags(device=resolve_device(args.device, args.n_gpu_layers), **_placement(args))
     shape = RuntimeShape(
         n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize
     )

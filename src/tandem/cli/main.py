@@ -48,6 +48,16 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     p.add_argument(
+        "-ngl",
+        "--n-gpu-layers",
+        "--gpu-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="llama.cpp's flag: the layer count or more (e.g. 99) keeps the layers on the GPU, 0 on the CPU; "
+        "tandem does not split them (offload experts instead)",
+    )
+    p.add_argument(
         "--dtype", default=None, choices=["bf16", "f16", "f32"], help="GPU compute type (default bf16; CPU: f32)"
     )
 

@@ -70,6 +70,7 @@ class PlacementPlan:
                 "override_tensor": [f"{p}={d}" for p, d in self.request.override_tensor],
                 "gpu_memory": self.request.gpu_memory,
                 "tp": self.request.tp,
+                "n_gpu_layers": self.request.n_gpu_layers,
             },
             "weight_bytes": self.weight_bytes,
             "kv_bytes": self.kv_bytes,
@@ -110,6 +111,13 @@ def workspace_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
 
 def _assign(f: GGUFFile, req: PlacementRequest, cfg: ModelConfig) -> tuple[dict[str, str], list[str]]:
     """Flags -> devices, before any budget: -ot first (first match wins), then --cpu-moe/--n-cpu-moe."""
+    ngl = req.n_gpu_layers
+    if ngl is not None and 0 < ngl < cfg.n_layers:
+        raise PlacementError(
+            f"-ngl {ngl}: tandem keeps all {cfg.n_layers} layers on one device. Use -ngl {cfg.n_layers} or more (the "
+            "GPU) and move experts to the CPU to save VRAM (--cpu-moe, --n-cpu-moe N, --gpu-memory; matrices with "
+            "-ot REGEX=cpu), or -ngl 0 (the CPU)"
+        )
     if req.n_cpu_moe > cfg.n_layers:
         raise PlacementError(
             f"--n-cpu-moe {req.n_cpu_moe}: the model has only {cfg.n_layers} layers (use at most {cfg.n_layers}, "

@@ -61,7 +61,7 @@ def parse_override(text: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """What the user asked for: --device, --cpu-moe, --n-cpu-moe, -ot, --gpu-memory, --tp."""
+    """What the user asked for: --device, --cpu-moe, --n-cpu-moe, -ot, --gpu-memory, --tp, -ngl."""
 
     device: str = "cpu"
     cpu_moe: bool = False
@@ -69,6 +69,9 @@ class PlacementRequest:
     override_tensor: tuple[tuple[str, str], ...] = ()
     gpu_memory: int | None = None
     tp: int = 1
+    # llama.cpp's -ngl, accepted for its command lines: tandem keeps the layers on one device (the model's
+    # layer count or more, or < 0: the GPU; 0: the CPU); plan_placement refuses a split.
+    n_gpu_layers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", normalize_device(self.device, "--device"))
@@ -84,6 +87,13 @@ class PlacementRequest:
             raise PlacementError(f"--tp must be >= 1, got {self.tp}")
         if self.device == "cpu" and (self.gpu_memory is not None or self.tp > 1):
             raise PlacementError("--gpu-memory and --tp need a GPU device (--device cuda)")
+        if self.n_gpu_layers == 0 and self.device != "cpu":
+            raise PlacementError(f"-ngl 0 keeps every layer on the CPU, which --device {self.device} contradicts")
+        if self.n_gpu_layers not in (None, 0) and self.device == "cpu":
+            raise PlacementError(
+                f"-ngl {self.n_gpu_layers} asks for the layers on a GPU, but the device is cpu "
+                "(no GPU visible, or --device cpu): use --device cuda, or -ngl 0"
+            )
 
     @classmethod
     def from_flags(
@@ -94,13 +104,15 @@ class PlacementRequest:
         override_tensor: list[str] | tuple[str, ...] | None = None,
         gpu_memory: str | int | None = None,
         tp: int = 1,
+        n_gpu_layers: int | None = None,
     ) -> PlacementRequest:
         """Build from CLI/API values (override strings 'REGEX=DEVICE', sizes as text or bytes)."""
         overrides = tuple(parse_override(o) for o in (override_tensor or ()))
         budget = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
         return cls(
-            device=device, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, override_tensor=overrides, gpu_memory=budget, tp=tp
-        )
+            device=device, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, override_tensor=overrides, gpu_memory=budget, tp=tp,
+            n_gpu_layers=n_gpu_layers,
+        )  # fmt: skip
 
     @property
     def uses_gpu(self) -> bool:

@@ -15,6 +15,13 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str | None, n_gpu_layers: int | None = None) -> str:
+    """--device as given; without it, the CPU for -ngl 0, else `default_device()`."""
+    if device is not None:
+        return device
+    return "cpu" if n_gpu_layers == 0 else default_device()
+
+
 def check_executable(plan: PlacementPlan) -> None:
     """Raise a one-line PlacementError, naming the flag, for any part of the plan no path can run."""
     req = plan.request
