@@ -11,7 +11,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch from this machine's disk; never a CUDA wheel on a CPU machine.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# ggml as llama.cpp builds it: llamafile's batched kernels (tinyBLAS) on, which ggml's own build leaves off: CPU
+	# prefill products ~1.3x faster, and float weights' sums in llama.cpp's order. No cache: a wheel built without them
+	# would be reused.
+	CMAKE_ARGS="-DGGML_LLAMAFILE=ON" $(PY) -m pip install -q --no-cache-dir -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

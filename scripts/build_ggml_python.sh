@@ -22,5 +22,6 @@ if [[ $# -eq 3 ]]; then
   rm -rf "$src/vendor/ggml"
   mv "$work"/llama_cpp_python-*/vendor/llama.cpp/ggml "$src/vendor/ggml"
 fi
-CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-16} "${PYTHON:-python3}" -m pip install -q --no-index --no-deps \
+# llamafile's batched kernels on, as in llama.cpp's ggml and the Makefile's build
+CMAKE_ARGS="-DGGML_LLAMAFILE=ON ${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-16} "${PYTHON:-python3}" -m pip install -q --no-index --no-deps \
   --no-build-isolation --no-compile --target "$target" "$src"

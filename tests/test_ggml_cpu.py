@@ -32,6 +32,19 @@ ALL_TYPES = [
 ]  # fmt: skip
 
 
+def test_ggml_is_built_as_llama_cpp_builds_it(kernels: CPUKernels) -> None:
+    """llamafile's batched kernels are on (the Makefile's CMAKE_ARGS), as in llama.cpp's ggml: products of several
+    rows by a float weight sum in their order there. For the quantized types they give the one-row kernels'
+    results, bit for bit."""
+    assert ggml.ggml_cpu_has_llamafile()
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((8, 256)).astype(np.float32))
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
+        w = GGMLWeight(random_weight_bytes(qtype, (64, 256), rng), qtype, (64, 256))
+        one_by_one = torch.cat([kernels.matmul(x[i : i + 1], w) for i in range(x.shape[0])])
+        assert torch.equal(kernels.matmul(x, w), one_by_one), qtype.name
+
+
 def test_every_type_supported_and_vec_dot_types() -> None:
     for qtype in ALL_TYPES:
         assert mul_mat_supported(qtype), qtype.name
