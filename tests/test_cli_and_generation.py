@@ -76,6 +76,32 @@ def test_cli_run_streams_text(tiny_qwen3_gguf: tuple[Path, Path], capsys: pytest
     assert out.startswith("hello") and len(out) > len("hello\n")
 
 
+@pytest.mark.parametrize(
+    ("command", "flags", "message"),
+    [
+        ("run", ["-b", "0"], "n_batch (-b/--batch-size) must be positive, got 0"),
+        ("bench", ["-b", "0"], "n_batch (-b/--batch-size) must be positive, got 0"),
+        ("inspect", ["-c", "0"], "n_ctx (-c/--ctx-size) must be positive, got 0"),
+        ("run", ["-t", "0"], "threads (-t) must be at least 1"),
+    ],
+)
+def test_cli_bad_sizes_are_one_line(
+    tiny_qwen3_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str], command: str, flags: list[str], message: str
+) -> None:
+    prompt = ["-p", "hi", "-n", "2"] if command == "run" else ["--pp", "8", "--tg", "2"] if command == "bench" else []
+    assert main([command, "-m", str(tiny_qwen3_gguf[1]), *prompt, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}")
+
+
+def test_negative_threads_mean_the_physical_cores(tiny_qwen3_gguf: tuple[Path, Path]) -> None:
+    """llama.cpp's -t -1."""
+    from tandem.api import default_threads
+
+    with tandem.LLM(tiny_qwen3_gguf[1], device="cpu", threads=-1, n_ctx=64) as llm:
+        assert llm.threads == default_threads()
+
+
 def test_cli_chat_is_multi_turn(tiny_qwen3_gguf: tuple[Path, Path]) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli.main", "chat", "-m", str(tiny_qwen3_gguf[1]), "-n", "4", "--temp", "0",

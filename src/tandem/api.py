@@ -42,6 +42,13 @@ def default_threads() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+def resolve_threads(threads: int | None) -> int:
+    """-t as given; None or negative (llama.cpp's -1): `default_threads()`. 0 is an error."""
+    if threads == 0:
+        raise TandemError("threads (-t) must be at least 1, or negative for the physical cores (llama.cpp's -1)")
+    return threads if threads is not None and threads > 0 else default_threads()
+
+
 @functools.cache
 def initialise_vector_math() -> None:
     """Make torch's first MKL vector-math call of the process on one element, before any parallel one.
@@ -96,6 +103,7 @@ class LLM:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
         device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible; the CPU with n_gpu_layers=0).
+        threads: ggml's CPU threads (None or negative, as llama.cpp's -1: the physical cores).
         n_gpu_layers: llama.cpp's -ngl, for its command lines: the layer count or more (or < 0) keeps the layers
         on the GPU, 0 on the CPU; tandem does not split the layers between devices (a PlacementError).
         dtype: compute type on the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32.
@@ -104,8 +112,6 @@ class LLM:
         copy the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
         CPU (faster products, host RAM equal to those stacks; llama.cpp leaves `--cpu-moe` experts in the file).
         """
-        if n_ctx <= 0:
-            raise TandemError(f"n_ctx must be positive, got {n_ctx}")
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
@@ -128,7 +134,7 @@ class LLM:
         shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
         self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
         check_executable(self.plan)
-        self.threads = threads or default_threads()
+        self.threads = resolve_threads(threads)
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
         initialise_vector_math()

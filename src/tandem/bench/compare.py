@@ -405,7 +405,7 @@ def _stop(row: Row, reps: int, why: str) -> None:
 
 def settings_from_args(args: Any) -> BenchSettings:
     """BenchSettings from `tandem bench`'s parsed flags."""
-    from tandem.api import default_model_path, default_threads
+    from tandem.api import default_model_path, resolve_threads
 
     model = str(Path(args.model) if args.model else default_model_path())
     if not Path(model).is_file():
@@ -413,7 +413,7 @@ def settings_from_args(args: Any) -> BenchSettings:
     pp = tuple(args.pp if isinstance(args.pp, list) else [args.pp])
     settings = BenchSettings(
         model=model,
-        threads=args.threads or default_threads(),
+        threads=resolve_threads(args.threads),
         pp=pp,
         tg=args.tg,
         reps=args.reps,

@@ -14,7 +14,7 @@ EXIT_USER_ERROR = 2
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M Q4_K_M)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default, or N < 0: physical cores)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch size (default 512)")
     _add_placement_flags(p)
     p.add_argument(

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.errors import PlacementError
+from tandem.errors import PlacementError, TandemError
 from tandem.gguf import GGUFFile, TensorInfo
 from tandem.models.config import ModelConfig
 from tandem.placement.request import PlacementRequest
@@ -31,6 +31,11 @@ class RuntimeShape:
     n_ctx: int = 4096
     n_batch: int = 512
     cache_bytes_per_value: int = 2  # f16
+
+    def __post_init__(self) -> None:
+        for name, value in (("n_ctx (-c/--ctx-size)", self.n_ctx), ("n_batch (-b/--batch-size)", self.n_batch)):
+            if value <= 0:
+                raise TandemError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True)
