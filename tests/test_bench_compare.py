@@ -263,6 +263,20 @@ def test_usage_errors_exit_2(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Pa
     assert not (tmp_path / "r").exists()
 
 
+def test_report_path_that_is_a_file_is_a_usage_error(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    mine = tmp_path / "notes.txt"
+    mine.write_text("a user's file")
+    assert main(["bench", "-m", str(tiny_qwen3moe_gguf[1]), "--tg", "8", "--report", str(mine)]) == 2
+    assert mine.read_text() == "a user's file"
+
+
+@pytest.mark.parametrize("extra", [["--matrix", "nonsense"], ["--peer-lib", "/x"], ["--budget", "60"]])
+def test_matrix_options_are_never_ignored(tiny_qwen3moe_gguf: tuple[Path, Path], extra: list[str]) -> None:
+    """Without --compare or --report, --matrix still runs its placements (its bad value is an error); the options
+    that only such runs read are errors without them."""
+    assert main(["bench", "-m", str(tiny_qwen3moe_gguf[1]), "--tg", "8", *extra]) == 2
+
+
 def test_bad_pp_list_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit) as e:
         main(["bench", "--pp", "512,abc"])

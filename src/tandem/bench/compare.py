@@ -438,6 +438,8 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
     from tandem.runtime.kv_cache import CACHE_DTYPES
 
     settings = settings_from_args(args)
+    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
+        raise TandemError(f"--report {args.report}: that is a file; the report needs a folder (made if missing)")
     from tandem.runtime.devices import resolve_device
 
     base = Placement(

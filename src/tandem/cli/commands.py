@@ -318,11 +318,13 @@ def synth(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    if args.compare or args.report:
+    if args.compare or args.report or args.matrix:
         # Worker processes per engine x placement, a report that survives failures: tandem/bench/compare.py.
         from tandem.bench.compare import run_from_args
 
         return run_from_args(args)
+    if args.peer_lib or args.budget is not None:
+        raise TandemError("--peer-lib and --budget apply to runs with --compare, --report or --matrix")
     from tandem.bench.runner import run_bench
 
     pp_sizes = args.pp if isinstance(args.pp, list) else [args.pp]
