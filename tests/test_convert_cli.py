@@ -34,15 +34,27 @@ def test_cli_convert_matches_fixture(
     assert out.read_bytes() == ref_path.read_bytes()
 
 
-def test_cli_convert_not_a_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (None, "config.json is missing"),
+        ("{bad", "cannot read JSON"),
+        ("[1, 2]", "expected a JSON object, found a list"),
+    ],
+)
+def test_cli_convert_not_a_model_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str | None, message: str
+) -> None:
     src = tmp_path / "notes"
     src.mkdir()
     (src / "README.md").write_text("not a checkpoint\n")
+    if config is not None:
+        (src / "config.json").write_text(config)
     out = tmp_path / "out.gguf"
     assert main(["convert", str(src), "-o", str(out)]) == EXIT_USER_ERROR
     cap = capsys.readouterr()
     lines = cap.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), cap.err
-    assert "config.json" in lines[0] and "Traceback" not in cap.err
+    assert "config.json" in lines[0] and message in lines[0] and "Traceback" not in cap.err
     assert cap.out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no output, no temporary file left

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import gguf
 import numpy as np
 
 from tandem.convert.arch_hooks import ArchHooks, PlanContext, layer_is_swa, write_attention_common
-from tandem.convert.vocab import Vocab, load_spm_vocab
+from tandem.convert.vocab import Vocab, load_spm_vocab, read_json_object
 from tandem.errors import ConversionError
 
 _MULTIMODAL = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -151,17 +150,10 @@ class Gemma4Hooks(ArchHooks):
             w.add_add_bos_token(True)  # llama.cpp's converter forces it
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{path}: cannot read JSON ({e})") from None
-
-
 def _special_texts(hf_dir: Path) -> set[str]:
     """transformers' `all_special_tokens`: the named specials and the additional/extra special tokens."""
     path = hf_dir / "tokenizer_config.json"
-    config = _read_json(path) if path.is_file() else {}
+    config = read_json_object(path) if path.is_file() else {}
     out: set[str] = set()
     for key, value in config.items():
         if key.endswith("_token") or key in ("additional_special_tokens", "extra_special_tokens"):
@@ -184,7 +176,7 @@ def load_gemma4_vocab(hf_dir: Path) -> Vocab:
     """Tokens and types from `tokenizer.json` as llama.cpp's Gemma4Model.set_vocab (LlamaHfVocab) gets them:
     base vocabulary in id order (`<0xXX>` BYTE, specials CONTROL, else NORMAL), then the added tokens beyond
     it (specials CONTROL, else USER_DEFINED); every score -1000; the tool/channel markers USER_DEFINED."""
-    tj = _read_json(hf_dir / "tokenizer.json")
+    tj = read_json_object(hf_dir / "tokenizer.json")
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or not model.get("byte_fallback") or not isinstance(model.get("vocab"), dict):
         raise ConversionError(f"{hf_dir}/tokenizer.json: expected Gemma 4's BPE tokenizer with byte fallback")

@@ -29,7 +29,7 @@ import numpy as np
 from tandem.convert import gemma4, gpt_oss
 from tandem.convert import qwen35moe as hybrid
 from tandem.convert.arch_hooks import ArchHooks, PlanContext
-from tandem.convert.vocab import Vocab, load_bpe_vocab, load_spm_vocab, write_vocab
+from tandem.convert.vocab import Vocab, load_bpe_vocab, load_spm_vocab, read_json_object, write_vocab
 from tandem.errors import ConversionError
 
 Q = gguf.GGMLQuantizationType
@@ -437,10 +437,7 @@ def _load_config(hf_dir: Path) -> tuple[dict[str, Any], _ArchSpec, str]:
     path = hf_dir / "config.json"
     if not path.is_file():
         raise ConversionError(f"{hf_dir}: config.json is missing")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{path}: cannot read JSON ({e})") from None
+    cfg = read_json_object(path)
     if isinstance(cfg.get("text_config"), dict):  # multimodal checkpoints: the text model's keys at the top
         cfg = {**cfg, **cfg["text_config"]}
     archs = cfg.get("architectures") or []

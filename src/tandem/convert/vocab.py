@@ -45,11 +45,15 @@ def does_token_look_special(text: str) -> bool:
     return text.startswith("<unused") and text.endswith(">")
 
 
-def _read_json(path: Path) -> Any:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config, tokenizer, ...), which must hold an object; else a ConversionError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConversionError(f"{path}: cannot read JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path}: expected a JSON object, found a {type(value).__name__}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -62,7 +66,7 @@ def load_bpe_vocab(hf_dir: Path, vocab_size: int, pre: str) -> Vocab:
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         raise ConversionError(f"{hf_dir}: tokenizer.json is missing (needed for the BPE vocabulary)")
-    tj = _read_json(path)
+    tj = read_json_object(path)
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConversionError(f"{path}: expected a BPE tokenizer model, got {model.get('type')!r}")
@@ -192,7 +196,7 @@ def load_spm_vocab(hf_dir: Path, vocab_size: int | None) -> Vocab:
 
     added_path = hf_dir / "added_tokens.json"
     if added_path.is_file():
-        for text, token_id in _read_json(added_path).items():
+        for text, token_id in read_json_object(added_path).items():
             if int(token_id) < n:
                 tokens[int(token_id)] = text.encode("utf-8")
                 scores[int(token_id)] = -1000.0
@@ -200,7 +204,7 @@ def load_spm_vocab(hf_dir: Path, vocab_size: int | None) -> Vocab:
 
     config_path = hf_dir / "tokenizer_config.json"
     if config_path.is_file():
-        decoder = _read_json(config_path).get("added_tokens_decoder") or {}
+        decoder = read_json_object(config_path).get("added_tokens_decoder") or {}
         for key, data in decoder.items():
             token_id, text = int(key), str(data["content"])
             if token_id >= n:
@@ -243,7 +247,7 @@ def _fill_special_ids(special: gguf.SpecialVocab, vocab: Vocab, hf_dir: Path) ->
     with just tokenizer.model (llama.cpp would then assume <unk> = 0) gets them from the token list here.
     """
     path = hf_dir / "tokenizer_config.json"
-    config = _read_json(path) if path.is_file() else {}
+    config = read_json_object(path) if path.is_file() else {}
     ids = {tok: i for i, tok in enumerate(vocab.tokens)}
     for typ in ("bos", "eos", "unk", "pad"):
         if typ in special.special_token_ids:
