@@ -25,19 +25,24 @@ def write_gguf(
     arch: str = "qwen3",
     drop_keys: tuple[str, ...] = (),
     tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    values: dict[str, object] | None = None,
 ) -> Path:
-    """A one-layer-sized GGUF with metadata for `arch` and one 64x64 tensor of `tensor_type`."""
+    """A one-layer-sized GGUF with metadata for `arch` and one 64x64 tensor of `tensor_type`. `values` replaces
+    metadata by full key (`qwen3.block_count`, `tokenizer.ggml.tokens`), whatever its type: str, int, float."""
+    values = values or {}
     w = gguf.GGUFWriter(str(path), arch)
-    for key, value in QWEN3_KEYS.items():
-        if key in drop_keys:
-            continue
-        full = f"{arch}.{key}"
-        if isinstance(value, float):
-            w.add_float32(full, value)
-        else:
-            w.add_uint32(full, value)
+    metadata: dict[str, object] = {f"{arch}.{k}": v for k, v in QWEN3_KEYS.items() if k not in drop_keys}
+    metadata["tokenizer.ggml.tokens"] = [f"t{i}" for i in range(32)]
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(32)])
+    for key, value in {**metadata, **values}.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, int(value))
     block, size = gguf.GGML_QUANT_SIZES[tensor_type]
     if tensor_type == gguf.GGMLQuantizationType.F32:
         w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,26 @@ def test_missing_required_metadata(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(MissingMetadataError, match="qwen3.embedding_length"):
         read_config(open_gguf(path))
     assert "embedding_length" in _cli_error(capsys, "inspect", "-m", str(path))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"qwen3.block_count": "two"}, "malformed qwen3 metadata (ValueError"),
+        ({"qwen3.attention.head_count": 0}, "malformed qwen3 metadata (ZeroDivisionError"),
+        ({"qwen3.attention.head_count_kv": 0}, "n_kv_heads 0"),
+        ({"qwen3.embedding_length": 0}, "hidden 0"),
+        ({"tokenizer.ggml.tokens": 5}, "malformed qwen3 metadata (TypeError"),
+    ],
+)
+def test_malformed_metadata_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], values: dict[str, object], message: str
+) -> None:
+    """The right keys with wrong types or values: one line naming the file, never the reader's traceback."""
+    path = write_gguf(tmp_path / "odd.gguf", values=values)
+    with pytest.raises((GGUFFormatError, UnsupportedModelError), match=re.escape(message)):
+        read_config(open_gguf(path))
+    assert message in _cli_error(capsys, "inspect", "-m", str(path))
 
 
 def test_unsupported_quant_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,8 +13,8 @@ import psutil
 import torch
 
 from tandem.errors import TandemError
-from tandem.gguf import GGUFFile, TensorInfo, open_gguf
-from tandem.models import architecture
+from tandem.gguf import GGUFFile, TensorInfo, metadata_errors, open_gguf
+from tandem.models import architecture, read_config
 from tandem.models.config import ModelConfig
 from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
@@ -116,10 +116,11 @@ class LLM:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
         arch = architecture(self.file)
-        self.config: ModelConfig = arch.read_config(self.file)
+        self.config: ModelConfig = read_config(self.file)
         for info in self.file.tensors.values():
             check_supported(info.qtype, info.name)
-        self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
+        with metadata_errors(self.file.path, "tokenizer"):
+            self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
         if dtype is not None and dtype not in DTYPES:
             raise TandemError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
         request = PlacementRequest.from_flags(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-from tandem.errors import GGUFFormatError, MissingMetadataError, UnsupportedModelError
+from tandem.errors import GGUFFormatError, MissingMetadataError, TandemError, UnsupportedModelError
 from tandem.gguf.header import HeaderError, RawTensorEntry, parse_header
 
 GGUF_MAGIC = b"GGUF"
@@ -67,6 +69,19 @@ class GGUFFile:
 
     def arch_require(self, suffix: str) -> Any:
         return self.require(f"{self.arch}.{suffix}")
+
+
+@contextmanager
+def metadata_errors(path: Path, what: str) -> Iterator[None]:
+    """Read `what` (a model's hyper-parameters, its tokenizer) from metadata inside this block: the right keys with
+    wrong types or values (a string block count, zero heads, a number where a list belongs) fail in the reader's
+    arithmetic, which becomes one line naming the file instead of that arithmetic's traceback."""
+    try:
+        yield
+    except TandemError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, IndexError, KeyError, AttributeError) as e:
+        raise GGUFFormatError(f"{path.name}: malformed {what} metadata ({type(e).__name__}: {e})") from None
 
 
 def _check_magic(path: Path) -> int:

@@ -57,6 +57,10 @@ class ModelConfig:
         return len(self.layers)
 
     def __post_init__(self) -> None:
+        sizes = {"n_vocab": self.n_vocab, "hidden": self.hidden, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                 "head_dim": self.head_dim, "layers": len(self.layers)}  # fmt: skip
+        if bad := [f"{name} {value}" for name, value in sizes.items() if value <= 0]:
+            raise UnsupportedModelError(f"{self.arch}: the metadata gives {', '.join(bad)}; each must be positive")
         if self.n_heads % self.n_kv_heads != 0:
             raise UnsupportedModelError(
                 f"{self.arch}: {self.n_heads} query heads are not a multiple of {self.n_kv_heads} KV heads"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.errors import UnsupportedModelError
-from tandem.gguf import GGUFFile
+from tandem.gguf import GGUFFile, metadata_errors
 from tandem.models import gemma3, gemma4, gpt_oss, qwen3, qwen3moe, qwen35moe
 from tandem.models.blocks import BlockBuilder, standard_block
 from tandem.models.config import ModelConfig
@@ -47,5 +47,7 @@ def architecture(f: GGUFFile) -> Architecture:
 
 
 def read_config(f: GGUFFile) -> ModelConfig:
-    """The ModelConfig of a GGUF file."""
-    return architecture(f).read_config(f)
+    """The ModelConfig of a GGUF file (metadata that cannot make one: a one-line error)."""
+    spec = architecture(f)
+    with metadata_errors(f.path, f.arch):
+        return spec.read_config(f)
