@@ -100,6 +100,27 @@ def test_malformed_metadata_values(
     assert message in _cli_error(capsys, "inspect", "-m", str(path))
 
 
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({}, "'token_embd.weight' has shape (64, 64); the metadata's vocabulary is 128"),
+        ({"blk.0.attn_norm.weight": (63,)}, "'blk.0.attn_norm.weight' has shape (63,); the metadata's width is 64"),
+        ({"blk.0.attn_q.weight": (32, 64)}, "the metadata's heads x head size is 64 or 128"),
+        ({"blk.0.attn_k.weight": (64, 64)}, "the metadata's KV heads x head size is 32"),
+        ({"blk.0.ffn_down.weight": (128, 64)}, "'blk.0.ffn_down.weight' has shape (128, 64); the metadata's width"),
+    ],
+)
+def test_tensor_shapes_that_do_not_fit_the_metadata(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tensors: dict[str, tuple[int, ...]], message: str
+) -> None:
+    """As llama.cpp refuses such a file at load: one line naming the tensor, not a failure in the first forward."""
+    more_tokens = {} if tensors else {"tokenizer.ggml.tokens": [f"t{i}" for i in range(128)]}  # 64 table rows
+    path = write_gguf(tmp_path / "shapes.gguf", values=more_tokens, extra_tensors=tensors)
+    with pytest.raises(GGUFFormatError, match=re.escape(message)):
+        read_config(open_gguf(path))
+    assert message in _cli_error(capsys, "inspect", "-m", str(path))
+
+
 def test_unsupported_quant_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_gguf(tmp_path / "iq2.gguf", tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
     info = open_gguf(path).tensors["token_embd.weight"]

@@ -116,9 +116,9 @@ class LLM:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
         arch = architecture(self.file)
-        self.config: ModelConfig = read_config(self.file)
-        for info in self.file.tensors.values():
+        for info in self.file.tensors.values():  # a type tandem cannot read first: its shapes mean nothing
             check_supported(info.qtype, info.name)
+        self.config: ModelConfig = read_config(self.file)
         with metadata_errors(self.file.path, "tokenizer"):
             self.tokenizer = Tokenizer.from_metadata(self.file.metadata)
         if dtype is not None and dtype not in DTYPES:
