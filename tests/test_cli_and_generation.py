@@ -126,3 +126,34 @@ def test_cli_bench_json(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.Ca
     assert main(["bench", "-m", str(tiny_qwen3moe_gguf[1]), "--pp", "16", "--tg", "4", "--reps", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["pp_tok_s"] > 0 and result["tg_tok_s"] > 0 and result["peak_rss_bytes"] > 0
+
+
+GEMMA_TURNS = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_chat_template_file_for_a_model_without_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bundled Gemma 3 270M has no template: --chat-template-file (llama.cpp's flag) gives it one, and the
+    error without it names the flag. An unreadable file is one line, exit 2, before the model loads."""
+    from tandem.api import default_model_path
+
+    template = tmp_path / "gemma.jinja"
+    template.write_text(GEMMA_TURNS)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    with tandem.LLM(default_model_path(), threads=2, n_ctx=128) as llm:
+        assert llm.apply_chat_template(msgs, chat_template=GEMMA_TURNS) == (
+            "<bos><start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
+        )
+        reply = llm.chat(msgs, chat_template=GEMMA_TURNS, max_tokens=6, temperature=0)
+        with pytest.raises(ChatTemplateError, match="--chat-template-file FILE"):
+            llm.chat(msgs, max_tokens=1)
+    base = ["run", "--chat", "-p", "Name a colour.", "-n", "6", "--temp", "0", "-t", "2", "-c", "128"]
+    assert main([*base, "--chat-template-file", str(template)]) == 0
+    assert capsys.readouterr().out == reply + "\n"
+    assert main([*base, "--chat-template-file", str(tmp_path / "missing.jinja")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --chat-template-file") and "cannot read it" in err[0]
+    assert main(["run", "-p", "hi", "--chat-template-file", str(template)]) == 2
+    assert "needs --chat" in capsys.readouterr().err

@@ -222,11 +222,18 @@ class LLM:
             yield rest
 
     def chat(
-        self, messages: list[dict[str, str]], chat_template_kwargs: Mapping[str, Any] | None = None, **sampling: Any
+        self,
+        messages: list[dict[str, str]],
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        **sampling: Any,
     ) -> str | Iterator[str]:
-        """Render `messages` with the model's chat template (`chat_template_kwargs`: extra template variables,
-        e.g. {"enable_thinking": False}) and generate the assistant's reply."""
-        prompt = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
+        """Render `messages` with the model's chat template, or `chat_template` (Jinja text) instead
+        (`chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False}), and generate the
+        assistant's reply."""
+        prompt = self.apply_chat_template(
+            messages, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template
+        )
         ids = self.tokenizer.encode(prompt, add_special=False)
         if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
             ids = [self.tokenizer.bos_id, *ids]
@@ -237,9 +244,11 @@ class LLM:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The prompt text of `messages` in the model's chat template (from the GGUF metadata)."""
-        template = chat_template_from_metadata(self.file.metadata)
+        """The prompt text of `messages` in the model's chat template (from the GGUF metadata), or in
+        `chat_template` (Jinja text, as llama.cpp's --chat-template-file) when given."""
+        template = chat_template if chat_template is not None else chat_template_from_metadata(self.file.metadata)
         return render_chat(
             template,
             messages,

@@ -17,7 +17,7 @@ from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.runtime.devices import resolve_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
-from tandem.tokenizer.chat_template import parse_template_variables
+from tandem.tokenizer.chat_template import parse_template_variables, read_template_file
 
 
 def _load(args: argparse.Namespace) -> LLM:
@@ -105,13 +105,16 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def _template_variables(args: argparse.Namespace) -> dict[str, Any] | None:
-    """--chat-template-kwargs, checked before the model loads."""
-    if args.chat_template_kwargs is None:
-        return None
-    if args.command == "run" and not args.chat:
-        raise TandemError("--chat-template-kwargs needs --chat (it sets variables of the chat template)")
-    return parse_template_variables(args.chat_template_kwargs)
+def _template_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--chat-template-file and --chat-template-kwargs as LLM.chat's arguments, checked before the model loads."""
+    file, kwargs = args.chat_template_file, args.chat_template_kwargs
+    if args.command == "run" and not args.chat and (file is not None or kwargs is not None):
+        flag = "--chat-template-file" if file is not None else "--chat-template-kwargs"
+        raise TandemError(f"{flag} needs --chat (it concerns the chat template)")
+    return {
+        "chat_template": read_template_file(file) if file is not None else None,
+        "chat_template_kwargs": parse_template_variables(kwargs) if kwargs is not None else None,
+    }
 
 
 def _write_stream(pieces: object) -> None:
@@ -124,7 +127,7 @@ def _write_stream(pieces: object) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.n_predict < 0:
         raise TandemError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
-    variables = _template_variables(args)
+    template = _template_options(args)
     llm = _load(args)
     try:
         if args.chat:
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 messages.append({"role": "system", "content": args.system_prompt})
             messages.append({"role": "user", "content": args.prompt})
             pieces = llm.chat(
-                messages, chat_template_kwargs=variables, max_tokens=args.n_predict, stream=True, **_sampling(args)
+                messages, **template, max_tokens=args.n_predict, stream=True, **_sampling(args)
             )
         else:
             pieces = llm.generate(args.prompt, max_tokens=args.n_predict, stream=True, **_sampling(args))
@@ -145,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
-    variables = _template_variables(args)
+    template = _template_options(args)
     llm = _load(args)
-    llm.apply_chat_template([{"role": "user", "content": "hi"}], chat_template_kwargs=variables)  # fail now, not later
+    llm.apply_chat_template([{"role": "user", "content": "hi"}], **template)  # fail now, not later
     messages: list[dict[str, str]] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -163,7 +166,7 @@ def chat(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": line})
             reply: list[str] = []
             reply_stream = llm.chat(
-                messages, chat_template_kwargs=variables, max_tokens=args.n_predict, stream=True, **_sampling(args)
+                messages, **template, max_tokens=args.n_predict, stream=True, **_sampling(args)
             )
             for piece in reply_stream:
                 reply.append(piece)

@@ -109,6 +109,12 @@ def _add_compare_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_template_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--chat-template-file",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's (for a GGUF without one, or to override it)",
+    )
+    p.add_argument(
         "--chat-template-kwargs",
         default=None,
         metavar="JSON",

@@ -17,7 +17,8 @@ from tandem.errors import ChatTemplateError
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 MISSING_TEMPLATE = (
-    "model has no chat template (tokenizer.chat_template); use `run` without --chat or give a template explicitly"
+    "model has no chat template (tokenizer.chat_template); use `run` without --chat, or give one with "
+    "--chat-template-file FILE (API: chat_template=)"
 )
 
 
@@ -105,6 +106,16 @@ def parse_template_variables(text: str) -> dict[str, Any]:
         where = f"{e.msg} at character {e.pos}"
         raise ChatTemplateError(f"--chat-template-kwargs is not JSON ({where}): {text!r}") from None
     return template_variables(value)
+
+
+def read_template_file(path: str) -> str:
+    """--chat-template-file: a Jinja chat template to use instead of the model's (as llama.cpp's flag)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ChatTemplateError(f"--chat-template-file {path}: cannot read it ({reason})") from None
 
 
 def render_chat(
