@@ -157,3 +157,21 @@ def test_chat_template_file_for_a_model_without_one(tmp_path: Path, capsys: pyte
     assert len(err) == 1 and err[0].startswith("error: --chat-template-file") and "cannot read it" in err[0]
     assert main(["run", "-p", "hi", "--chat-template-file", str(template)]) == 2
     assert "needs --chat" in capsys.readouterr().err
+
+
+def test_generation_stops_at_a_full_context(
+    tiny_qwen3_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As llama.cpp without context shift and vLLM's "length": the reply ends where the context is full (the CLI
+    says so on stderr), instead of an error after the text; a prompt that does not fit is still an error."""
+    with tandem.LLM(tiny_qwen3_gguf[1], device="cpu", threads=2, n_ctx=16) as llm:
+        prompt = llm.tokenize("hello there", add_special=True)
+        out = llm.generate(prompt, max_tokens=100, temperature=0, top_k=1)
+        assert llm.engine.context_full
+        assert len(llm.tokenize(out, add_special=False)) <= 16 - len(prompt) + 1
+        with pytest.raises(TandemError, match="context full"):
+            llm.generate(list(range(5, 30)), max_tokens=2)
+    argv = ["run", "-m", str(tiny_qwen3_gguf[1]), "-p", "hello", "-n", "100", "--temp", "0", "-t", "2", "-c", "16"]
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("hello") and "notice: the context (16 tokens, -c) is full" in cap.err

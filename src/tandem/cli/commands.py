@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +118,18 @@ def _template_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _write_stream(pieces: object) -> None:
-    for piece in pieces:  # type: ignore[attr-defined]
+def _write_stream(pieces: Iterable[str], llm: LLM) -> str:
+    """Print the pieces as they come, then a newline; returns the text. Says so on stderr when the context filled."""
+    text = []
+    for piece in pieces:
+        text.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if llm.engine.context_full:
+        sys.stdout.flush()
+        print(f"notice: the context ({llm.n_ctx} tokens, -c) is full: generation stopped there", file=sys.stderr)
+    return "".join(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             pieces = llm.generate(args.prompt, max_tokens=args.n_predict, stream=True, **_sampling(args))
             sys.stdout.write(args.prompt)
-        _write_stream(pieces)
+        _write_stream(pieces, llm)
     finally:
         llm.close()
     return 0
@@ -164,16 +172,8 @@ def chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line})
-            reply: list[str] = []
-            reply_stream = llm.chat(
-                messages, **template, max_tokens=args.n_predict, stream=True, **_sampling(args)
-            )
-            for piece in reply_stream:
-                reply.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": "".join(reply)})
+            reply = llm.chat(messages, **template, max_tokens=args.n_predict, stream=True, **_sampling(args))
+            messages.append({"role": "assistant", "content": _write_stream(reply, llm)})
     finally:
         llm.close()
     return 0

@@ -41,6 +41,11 @@ class Engine:
 
         return DecodeGraph(model, self.cache, model.host_boundaries)
 
+    @property
+    def context_full(self) -> bool:
+        """Whether the sequence fills the context: nothing more can be appended."""
+        return self.cache.length >= self.cache.n_ctx
+
     def reset(self) -> None:
         self.cache.truncate(0)
 

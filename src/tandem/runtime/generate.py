@@ -18,7 +18,8 @@ def generate_tokens(
     stop_ids: frozenset[int],
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled tokens after `prompt`; an end-of-generation token ends it
-    (and is not yielded)."""
+    (and is not yielded), and so does a full context (as llama.cpp stops without context shift, and as vLLM
+    finishes with "length"): `engine.context_full` then tells."""
     history = list(prompt)
     logits = engine.feed(prompt)
     for i in range(max_tokens):
@@ -27,8 +28,9 @@ def generate_tokens(
             return
         yield token
         history.append(token)
-        if i + 1 < max_tokens:
-            logits = engine.append([token])
+        if i + 1 == max_tokens or engine.context_full:
+            return
+        logits = engine.append([token])
 
 
 @dataclass
