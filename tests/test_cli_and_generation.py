@@ -169,9 +169,22 @@ def test_generation_stops_at_a_full_context(
         out = llm.generate(prompt, max_tokens=100, temperature=0, top_k=1)
         assert llm.engine.context_full
         assert len(llm.tokenize(out, add_special=False)) <= 16 - len(prompt) + 1
+        # -1, as llama.cpp's -n -1: no limit but the end of generation or the context (the same greedy text here)
+        assert llm.generate(prompt, max_tokens=-1, temperature=0, top_k=1) == out and llm.engine.context_full
+        assert llm.generate(prompt, max_tokens=0) == ""
         with pytest.raises(TandemError, match="context full"):
             llm.generate(list(range(5, 30)), max_tokens=2)
     argv = ["run", "-m", str(tiny_qwen3_gguf[1]), "-p", "hello", "-n", "100", "--temp", "0", "-t", "2", "-c", "16"]
     assert main(argv) == 0
     cap = capsys.readouterr()
     assert cap.out.startswith("hello") and "notice: the context (16 tokens, -c) is full" in cap.err
+
+
+def test_token_ids_outside_the_vocabulary_and_bad_stops_are_errors(qwen: tandem.LLM) -> None:
+    n_vocab = qwen.tokenizer.n_vocab
+    for call in (lambda: qwen.logits([1, n_vocab]), lambda: qwen.generate([1, -3], max_tokens=1),
+                 lambda: qwen.detokenize([n_vocab + 5])):  # fmt: skip
+        with pytest.raises(TandemError, match="outside the vocabulary"):
+            call()
+    with pytest.raises(TandemError, match="stop must be a string or a list of strings"):
+        qwen.generate("hi", max_tokens=1, stop=[5])  # type: ignore[list-item]

@@ -161,17 +161,25 @@ class LLM:
         return self.tokenizer.encode(text, add_special=add_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(self._checked_ids(ids))
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        """Token ids as a list, each one of the vocabulary's (else a one-line TandemError)."""
+        ids = [int(i) for i in ids]
+        n_vocab = self.tokenizer.n_vocab
+        if bad := [i for i in ids if not 0 <= i < n_vocab]:
+            raise TandemError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+        return ids
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 logits [len(ids), n_vocab] of a fresh sequence."""
         if not ids:
             raise TandemError("logits() needs at least one token")
-        return self.engine.all_logits(list(ids)).float().cpu().numpy()
+        return self.engine.all_logits(self._checked_ids(ids)).float().cpu().numpy()
 
     # -- generation -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
         if not ids:
             raise TandemError("the prompt is empty")
         return ids
@@ -206,6 +214,8 @@ class LLM:
             seed=seed,
         )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise TandemError(f"stop must be a string or a list of strings, got {stop!r}")
         pieces = self._stream(self._prompt_ids(prompt), max_tokens, Sampler(params), stops)
         return pieces if stream else "".join(pieces)
 

@@ -133,8 +133,6 @@ def _write_stream(pieces: Iterable[str], llm: LLM) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n_predict < 0:
-        raise TandemError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
     template = _template_options(args)
     llm = _load(args)
     try:

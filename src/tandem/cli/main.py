@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(run)
     _add_sampling_flags(run)
     run.add_argument("-p", "--prompt", required=True, help="the prompt")
-    run.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    run.add_argument(
+        "-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128; -1: no limit)"
+    )
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("-sys", "--system-prompt", default=None, help="system message (with --chat)")
     _add_template_flag(run)
@@ -138,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive multi-turn chat (keeps the KV cache between turns)")
     _add_model_flags(chat)
     _add_sampling_flags(chat)
-    chat.add_argument("-n", "--n-predict", type=int, default=512, help="max tokens per reply (default 512)")
+    chat.add_argument(
+        "-n", "--n-predict", type=int, default=512, help="max tokens per reply (default 512; -1: no limit)"
+    )
     chat.add_argument("-sys", "--system-prompt", default=None, help="system message")
     _add_template_flag(chat)
 
