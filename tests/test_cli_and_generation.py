@@ -7,11 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tandem
 from tandem.cli.main import main
 from tandem.errors import ChatTemplateError, TandemError
 from tandem.runtime.generate import TextStream
+from tandem.runtime.sampling import Sampler, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +190,38 @@ def test_token_ids_outside_the_vocabulary_and_bad_stops_are_errors(qwen: tandem.
             call()
     with pytest.raises(TandemError, match="stop must be a string or a list of strings"):
         qwen.generate("hi", max_tokens=1, stop=[5])  # type: ignore[list-item]
+
+
+def _masked_chain_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's chain written out over the whole vocabulary, a mask per step: the reference for the sampler."""
+    logits = logits.clone()
+    if 0 < p.top_k < logits.numel():
+        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:  # in double, so that no token sits on the cut by rounding
+        ordered, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(ordered.double(), dim=-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return torch.softmax(logits / p.temperature, dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p", "temperature"),
+    [(40, 0.95, 0.05, 0.8), (0, 0.9, 0.05, 0.7), (0, 1.0, 0.1, 1.0), (10, 1.0, 0.0, 1.5), (0, 0.5, 0.0, 0.8),
+     (0, 1.0, 0.0, 1.0), (1, 0.95, 0.05, 0.8), (0, 0.999, 0.0, 1.0)],
+)  # fmt: skip
+def test_sampler_draws_from_the_masked_chain_distribution(
+    top_k: int, top_p: float, min_p: float, temperature: float
+) -> None:
+    """The sampler draws from its candidates only (a partial selection, not a sort of the vocabulary), with the
+    probabilities the chain of masks over the whole vocabulary gives."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=0)
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(7)) * 4
+    probs, ids = Sampler(params).candidates(logits)
+    dense = torch.zeros_like(logits).index_put_((ids,), probs)
+    torch.testing.assert_close(dense, _masked_chain_probs(logits, params), atol=1e-6, rtol=1e-5)
+    assert int(Sampler(params)(logits, [])) in set(ids.tolist())

@@ -1,19 +1,22 @@
-"""Sampling, composed from small steps as in llama.cpp's sampler chain.
+"""Sampling, as llama.cpp's sampler chain: repetition penalty, top-k, top-p, min-p, temperature, then a draw;
+temperature <= 0 means greedy (argmax).
 
-Order: repetition penalty, top-k, top-p, min-p, temperature, then a draw. A step with nothing to
-do is left out of the chain; temperature <= 0 means greedy (argmax).
+After the penalty, the filters work on candidates, as llama.cpp's token array: the tokens still in play, most likely
+first. Top-k takes its k from the vocabulary at once, a partial selection: a sort of every logit and masks over all
+of them cost 23 ms per token with Gemma's 262,144 tokens on a 2-core CPU, more than the forward pass. Without
+top-k, top-p widens its selection until it holds the mass it keeps. The draw is over the candidates
+left, with the probabilities the masked full-vocabulary chain gives them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tandem.errors import TandemError
-
-LogitStep = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -43,53 +46,37 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def repetition_penalty(penalty: float, last_n: int) -> LogitStep:
-    """Divide positive (multiply negative) logits of tokens seen in the last `last_n` tokens."""
-
-    def step(logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        recent = history[-last_n:] if last_n > 0 else history
-        if not recent:
-            return logits
-        ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
-        seen = logits[ids]
-        logits = logits.clone()
-        logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+def penalize_repeats(logits: torch.Tensor, history: Sequence[int], penalty: float, last_n: int) -> torch.Tensor:
+    """Divide positive (multiply negative) logits of tokens seen in the last `last_n` tokens (all with 0)."""
+    recent = history[-last_n:] if last_n > 0 else history
+    if not recent:
         return logits
-
-    return step
-
-
-def top_k(k: int) -> LogitStep:
-    def step(logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        if k >= logits.numel():
-            return logits
-        threshold = torch.topk(logits, k).values[-1]
-        return logits.masked_fill(logits < threshold, float("-inf"))
-
-    return step
+    ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
+    seen = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
 
 
-def top_p(p: float) -> LogitStep:
-    """Keep the smallest set of most likely tokens whose probability reaches p."""
-
-    def step(logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p  # mass before this token already >= p
-        drop[0] = False
-        return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-
-    return step
-
-
-def min_p(p: float) -> LogitStep:
-    """Drop tokens whose probability is below p times the most likely token's."""
-
-    def step(logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        probs = torch.softmax(logits, dim=-1)
-        return logits.masked_fill(probs < p * probs.max(), float("-inf"))
-
-    return step
+def top_p_candidates(logits: torch.Tensor, k: int, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of the `k` most likely tokens (k = the vocabulary: all), the smallest most-likely-first set whose
+    probability (normalised over those k) reaches p: (logits, ids), most likely first."""
+    vocab = logits.numel()
+    if k < vocab:
+        values, ids = torch.topk(logits, k)
+        log_total = torch.logsumexp(values, dim=0)
+    else:  # no top-k: take more of the sorted vocabulary until the mass it holds reaches p
+        log_total = torch.logsumexp(logits, dim=0)
+        m = min(vocab, 256)
+        while True:
+            values, ids = torch.topk(logits, m)
+            if m == vocab or float(torch.exp(values.double() - log_total.double()).sum()) >= p:
+                break
+            m = min(vocab, 16 * m)
+    probs = torch.exp(values.double() - log_total.double())  # double: a float cumsum of 262,144 drifts by ~1e-5
+    before = torch.cumsum(probs, dim=0) - probs  # the mass of the tokens ahead of each one
+    n = max(1, int((before < p).sum()))
+    return values[:n], ids[:n]
 
 
 class Sampler:
@@ -97,17 +84,6 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        steps: list[LogitStep] = []
-        if params.repeat_penalty != 1.0:
-            steps.append(repetition_penalty(params.repeat_penalty, params.repeat_last_n))
-        if not params.greedy:
-            if params.top_k > 0:
-                steps.append(top_k(params.top_k))
-            if params.top_p < 1.0:
-                steps.append(top_p(params.top_p))
-            if params.min_p > 0.0:
-                steps.append(min_p(params.min_p))
-        self.steps = steps
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -124,11 +100,30 @@ class Sampler:
             generator.manual_seed(self.generator.initial_seed())  # the seed given, or the one drawn above
         return generator
 
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probabilities, token ids) of the draw from `logits` (after the repetition penalty): the tokens top-k,
+        top-p and min-p leave (most likely first, except with neither top-k nor top-p), with their probabilities
+        at the temperature (not greedy)."""
+        p = self.params
+        vocab = logits.numel()
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        if p.top_p < 1.0:
+            values, ids = top_p_candidates(logits, k, p.top_p)
+        elif k < vocab:
+            values, ids = torch.topk(logits, k)
+        else:  # no top-k, no top-p: the whole vocabulary, in its own order
+            values, ids = logits, torch.arange(vocab, device=logits.device)
+        if p.min_p > 0.0:  # probability at least min_p times the most likely token's
+            keep = values >= values.max() + math.log(p.min_p)
+            values, ids = values[keep], ids[keep]
+        return torch.softmax(values / p.temperature, dim=0), ids
+
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         logits = logits.float()
-        for step in self.steps:
-            logits = step(logits, history)
+        if self.params.repeat_penalty != 1.0:
+            logits = penalize_repeats(logits, history, self.params.repeat_penalty, self.params.repeat_last_n)
         if self.params.greedy:
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)).item())
+        probs, ids = self.candidates(logits)
+        pick = torch.multinomial(probs, 1, generator=self._generator(probs.device))
+        return int(ids[pick].item())
