@@ -108,14 +108,21 @@ def test_malformed_metadata_values(
         ({"blk.0.attn_q.weight": (32, 64)}, "the metadata's heads x head size is 64 or 128"),
         ({"blk.0.attn_k.weight": (64, 64)}, "the metadata's KV heads x head size is 32"),
         ({"blk.0.ffn_down.weight": (128, 64)}, "'blk.0.ffn_down.weight' has shape (128, 64); the metadata's width"),
+        ({"blk.0.ffn_up_exps.weight": (4, 32, 64)}, "the metadata's expert count is 8"),  # a qwen3moe file below
+        ({"blk.0.ffn_down_exps.weight": (8, 64, 16)}, "the metadata's expert FFN size is 32"),
     ],
 )
 def test_tensor_shapes_that_do_not_fit_the_metadata(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tensors: dict[str, tuple[int, ...]], message: str
 ) -> None:
     """As llama.cpp refuses such a file at load: one line naming the tensor, not a failure in the first forward."""
-    more_tokens = {} if tensors else {"tokenizer.ggml.tokens": [f"t{i}" for i in range(128)]}  # 64 table rows
-    path = write_gguf(tmp_path / "shapes.gguf", values=more_tokens, extra_tensors=tensors)
+    values: dict[str, object] = {} if tensors else {"tokenizer.ggml.tokens": [f"t{i}" for i in range(128)]}
+    moe = any(name.endswith("_exps.weight") for name in tensors)
+    if moe:  # 8 experts of 32, 2 used
+        keys = ("expert_count", "expert_used_count", "expert_feed_forward_length")
+        values = {f"qwen3moe.{key}": n for key, n in zip(keys, (8, 2, 32), strict=True)}
+    arch = "qwen3moe" if moe else "qwen3"
+    path = write_gguf(tmp_path / "shapes.gguf", arch=arch, values=values, extra_tensors=tensors)
     with pytest.raises(GGUFFormatError, match=re.escape(message)):
         read_config(open_gguf(path))
     assert message in _cli_error(capsys, "inspect", "-m", str(path))

@@ -85,6 +85,13 @@ def _expected_sizes(name: str, cfg: ModelConfig) -> list[tuple[int, tuple[int, .
         sizes.append((0, ((layer.n_kv_heads or cfg.n_kv_heads) * head_dim,), "KV heads x head size"))
     if m.group(2) == "attn_q":  # twice as many rows where the query carries its output gate (Qwen3.5/3.6)
         sizes.append((0, (cfg.n_heads * head_dim, 2 * cfg.n_heads * head_dim), "heads x head size"))
+    if cfg.moe is not None and m.group(2).endswith("_exps"):
+        f = cfg.moe.expert_ffn_dim
+        sizes.append((0, (cfg.moe.n_experts,), "expert count"))
+        if m.group(2) == "ffn_down_exps":
+            sizes.append((2, (f,), "expert FFN size"))
+        else:  # gate and up stacked in one tensor: twice the rows
+            sizes.append((1, (2 * f if "gate_up" in m.group(2) else f,), "expert FFN size"))
     return sizes
 
 
