@@ -13,7 +13,7 @@ import tandem
 from tandem.cli.main import main
 from tandem.errors import ChatTemplateError, TandemError
 from tandem.runtime.generate import TextStream
-from tandem.runtime.sampling import Sampler, SamplingParams
+from tandem.runtime.sampling import Sampler, SamplingParams, largest
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +225,28 @@ def test_sampler_draws_from_the_masked_chain_distribution(
     dense = torch.zeros_like(logits).index_put_((ids,), probs)
     torch.testing.assert_close(dense, _masked_chain_probs(logits, params), atol=1e-6, rtol=1e-5)
     assert int(Sampler(params)(logits, [])) in set(ids.tolist())
+
+
+def test_largest_breaks_ties_by_the_lower_token_id() -> None:
+    """The candidates of top-k (and top-p) on logits with many ties, as a bf16 model's are: the k largest, most
+    likely first, the lower id first among equals, also where the k-th value's ties cross the cut."""
+    logits = (torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16).float()
+    for k in (1, 7, 40, 333):
+        values, ids = largest(logits, k)
+        want = sorted(range(logits.numel()), key=lambda i: (-logits[i].item(), i))[:k]
+        assert ids.tolist() == want, k
+        assert torch.equal(values, logits[want])
+
+
+def test_a_seeded_draw_holds_when_rounding_moves_the_logits() -> None:
+    """The same seed on logits that differ by rounding only (a bf16 model's logits, tied often, computed by another
+    path) draws the same tokens: the draw is in token order, so near-equal candidates trading places move no
+    boundary by more than the rounding."""
+    base = (torch.randn(512, generator=torch.Generator().manual_seed(11)) * 3).to(torch.bfloat16).float()
+    moved = base + torch.randn(512, generator=torch.Generator().manual_seed(12)) * 1e-6
+    params = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    picks = [
+        [Sampler(SamplingParams(**params, seed=seed))(logits, []) for seed in range(100)] for logits in (base, moved)
+    ]
+    assert picks[0] == picks[1]
+    assert len(set(picks[0])) > 5  # the draws do spread over the candidates

@@ -58,18 +58,35 @@ def penalize_repeats(logits: torch.Tensor, history: Sequence[int], penalty: floa
     return logits
 
 
+def largest(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits and their token ids, most likely first, ties to the lower id, as a partial selection.
+    torch.topk orders (and at the k-th value, picks) tied logits as it likes on a GPU, where a bf16 model's
+    logits tie often: a seed would not repeat its tokens there."""
+    values, ids = torch.topk(logits, k, sorted=False)
+    threshold = values.min()
+    if int((logits == threshold).sum()) > int((values == threshold).sum()):  # the cut splits a tie: its lowest ids
+        above = values > threshold
+        ties = torch.nonzero(logits == threshold).flatten()[: k - int(above.sum())]
+        ids = torch.cat([ids[above], ties])
+        values = logits[ids]
+    by_id = torch.argsort(ids)
+    values, ids = values[by_id], ids[by_id]
+    by_value = torch.sort(values, descending=True, stable=True).indices  # equal values keep their ascending ids
+    return values[by_value], ids[by_value]
+
+
 def top_p_candidates(logits: torch.Tensor, k: int, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Of the `k` most likely tokens (k = the vocabulary: all), the smallest most-likely-first set whose
     probability (normalised over those k) reaches p: (logits, ids), most likely first."""
     vocab = logits.numel()
     if k < vocab:
-        values, ids = torch.topk(logits, k)
+        values, ids = largest(logits, k)
         log_total = torch.logsumexp(values, dim=0)
     else:  # no top-k: take more of the sorted vocabulary until the mass it holds reaches p
         log_total = torch.logsumexp(logits, dim=0)
         m = min(vocab, 256)
         while True:
-            values, ids = torch.topk(logits, m)
+            values, ids = largest(logits, m)
             if m == vocab or float(torch.exp(values.double() - log_total.double()).sum()) >= p:
                 break
             m = min(vocab, 16 * m)
@@ -110,7 +127,7 @@ class Sampler:
         if p.top_p < 1.0:
             values, ids = top_p_candidates(logits, k, p.top_p)
         elif k < vocab:
-            values, ids = torch.topk(logits, k)
+            values, ids = largest(logits, k)
         else:  # no top-k, no top-p: the whole vocabulary, in its own order
             values, ids = logits, torch.arange(vocab, device=logits.device)
         if p.min_p > 0.0:  # probability at least min_p times the most likely token's
@@ -125,5 +142,10 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(logits).item())
         probs, ids = self.candidates(logits)
+        # Drawn in token order, as over the whole vocabulary: logits moved by rounding (the same prompt through
+        # another path, e.g. its cached prefix) then move the draw's boundaries by as little. In likelihood order,
+        # two near-equal candidates trading places would move every boundary between them by a whole probability.
+        ids, order = torch.sort(ids)
+        probs = probs[order]
         pick = torch.multinomial(probs, 1, generator=self._generator(probs.device))
         return int(ids[pick].item())
