@@ -101,7 +101,9 @@ def test_repacked_copy_lives_and_dies_with_its_weight(kernels: CPUKernels) -> No
 
 
 def _loader(info: TensorInfo, compute_device: str) -> WeightLoader:
-    plan = SimpleNamespace(device_of=lambda name: "cpu", compute_device=compute_device, staging_bytes=0)
+    plan = SimpleNamespace(
+        device_of=lambda name: "cpu", compute_device=compute_device, staging_bytes=0, devices={info.name: "cpu"}
+    )
     return WeightLoader(SimpleNamespace(tensors={info.name: info}), plan, CPUKernels(1))  # type: ignore[arg-type]
 
 

@@ -22,9 +22,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repack-experts",
-        action="store_true",
-        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout (faster products on x86; "
-        "host RAM equal to those stacks)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout: faster decode, host RAM equal "
+        "to those stacks (default auto: beside a GPU, when the RAM has room; alone: on)",
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -176,24 +177,47 @@ class RepackedTensor:
         return cls(ctx, buffer, t)
 
 
-@contextmanager
-def _without_ggml_debug_log() -> Iterator[None]:
-    """ggml's debug-level messages dropped meanwhile (ggml-python's default logger prints every level to
-    stderr; llama.cpp's hides debug); the others go to the logger in place."""
-    previous = ggml.ggml_log_callback()
-    user_data = ctypes.c_void_p()
-    ggml.ggml_log_get(ctypes.byref(previous), ctypes.byref(user_data))
+class _DebugLogFilter:
+    """ggml's debug-level messages dropped while some thread is inside `hold()` (ggml-python's default logger
+    prints every level to stderr; llama.cpp's hides debug); the others go to the logger in place. Repacks run on
+    a pool of threads: the first one in installs the filter, the last one out restores the logger."""
 
-    def log(level: int, text: bytes, _: int | None) -> None:
-        if level != ggml.GGML_LOG_LEVEL_DEBUG:
-            previous(level, text, user_data)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: tuple[object, object, object] | None = None  # previous logger, its user data, the filter
 
-    callback = ggml.ggml_log_callback(log)
-    ggml.ggml_log_set(callback, None)
-    try:
-        yield
-    finally:
-        ggml.ggml_log_set(previous, user_data)
+    def _install(self) -> None:
+        previous = ggml.ggml_log_callback()
+        user_data = ctypes.c_void_p()
+        ggml.ggml_log_get(ctypes.byref(previous), ctypes.byref(user_data))
+
+        def log(level: int, text: bytes, _: int | None) -> None:
+            if level != ggml.GGML_LOG_LEVEL_DEBUG:
+                previous(level, text, user_data)
+
+        callback = ggml.ggml_log_callback(log)  # kept referenced in _saved while installed
+        ggml.ggml_log_set(callback, None)
+        self._saved = (previous, user_data, callback)
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._install()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._saved is not None:
+                    previous, user_data, _ = self._saved
+                    ggml.ggml_log_set(previous, user_data)
+                    self._saved = None
+
+
+_without_ggml_debug_log = _DebugLogFilter().hold
 
 
 def _free_repacked(ctx: int, buffer: int | None) -> None:
@@ -222,13 +246,18 @@ def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
 _REPACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_K})
 
 
+def repackable_experts(w: GGMLWeight) -> bool:
+    """Whether `repack_experts` may copy this stack (ggml has the last word, by its type and shape here)."""
+    return len(w.shape) == 3 and w.repacked is None and w.qtype in _REPACKED_EXPERT_TYPES
+
+
 def repack_experts(w: GGMLWeight) -> GGMLWeight:
     """A Q4_K stack of experts (E, N, K) with a copy in ggml's CPU_REPACK buffer where ggml repacks it on
     this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's interleaved gemv; else
     w as it is. llama.cpp leaves `--cpu-moe` experts in the file mapping: this costs host RAM equal to the
     stack and bought ~1.05-1.15x per product on a 2-vCPU Xeon (not measured on the GPU machine yet); the
     blocks in the file stay what prefill streams to the GPU."""
-    if len(w.shape) != 3 or w.repacked is not None or w.qtype not in _REPACKED_EXPERT_TYPES:
+    if not repackable_experts(w):
         return w
     repacked = RepackedTensor.create(w)
     return w if repacked is None else dataclasses.replace(w, repacked=repacked)

@@ -24,9 +24,10 @@ from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, 
 from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
-from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight, repack_experts
+from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
 from tandem.runtime.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
+from tandem.runtime.repack import ExpertRepacks
 
 PAGE_PROBE = 4096  # bytes copied once to check that page-locked file memory can be copied from
 OFFLOAD_MIN_BATCH = 32  # as llama.cpp: from this many tokens, CPU experts are streamed to the GPU
@@ -76,7 +77,7 @@ class WeightLoader:
         kernels: CPUKernels,
         dtype: torch.dtype = torch.float32,
         on_tensor: Callable[[TensorInfo], None] | None = None,
-        repack_experts: bool = False,
+        repack_experts: str = "off",
     ) -> None:
         self.file = f
         self.plan = plan
@@ -92,8 +93,9 @@ class WeightLoader:
         )
         self._dequantized: dict[str, int] = {}
         self._notices: list[str] = []
-        self.repack_experts = repack_experts  # CPU expert stacks copied for ggml's interleaved kernels
-        self._repacked_bytes = 0
+        # CPU expert stacks copied for ggml's interleaved kernels (auto, on, off), made on a pool as loading goes
+        cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
+        self._repacks = ExpertRepacks(cpu_stacks, repack_experts, self.compute_device.type != "cpu", kernels.n_threads)
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
@@ -123,7 +125,7 @@ class WeightLoader:
 
     def notices(self) -> list[str]:
         """One line per quant type that has no GPU kernel and was dequantized at load, and one per fallback."""
-        repacked = [f"--repack-experts: {self._repacked_bytes >> 20} MiB of expert stacks repacked in host RAM"]
+        repacked = [self._repacks.notice] if self._repacks.notice else []
         return (
             [
                 f"{qtype}: no GPU kernel yet; {n} tensor(s) dequantized to {str(self.dtype).removeprefix('torch.')} "
@@ -131,18 +133,14 @@ class WeightLoader:
                 for qtype, n in sorted(self._dequantized.items())
             ]
             + self._notices
-            + (repacked if self.repack_experts else [])
+            + repacked
         )
 
     def cpu_experts(self, info: TensorInfo) -> GGMLExperts:
-        """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or with
-        --repack-experts on a repacked copy of them (Q4_K, where ggml repacks it on this CPU)."""
+        """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or on a repacked copy
+        of them (Q4_K, where ggml repacks it on this CPU; runtime/repack.py says when)."""
         self._record(info, info.data)
-        weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
-        if self.repack_experts:
-            weight = repack_experts(weight)
-            self._repacked_bytes += weight.repacked.nbytes if weight.repacked is not None else 0
-        return GGMLExperts(weight, self.kernels)
+        return GGMLExperts(self._repacks.weight(info), self.kernels)
 
     def _start_streaming(self) -> None:
         """The prefill window for CPU-resident experts, and their file bytes page-locked in place (no copy,
