@@ -97,42 +97,6 @@ def test_host_call_without_overlap_is_exact_in_graph() -> None:
     assert ref.shape == (1, 1)
 
 
-def test_host_copy_kernels_reach_page_locked_memory() -> None:
-    """The hand-off kernels (cuda/host_copy.py) on page-locked memory: this GPU maps it (else the copy engine
-    would do the work, one node per input), the inputs land cast bit for bit, the result comes back as torch
-    casts it, and a captured read sees the host's newest values at every replay (no cached line)."""
-    from tandem.cuda import host_copy
-    from tandem.cuda.host_memory import pinned_empty
-
-    assert host_copy._kernels_reach(torch.device("cuda"), [pinned_empty((4,), torch.float32)])
-    x = torch.randn(2, 2048 + 7, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, 128, (2, 8), device="cuda", dtype=torch.int32)
-    weights = torch.rand(2, 8, device="cuda")
-    bufs = [
-        pinned_empty((2, 2055), torch.float32),
-        pinned_empty((2, 8), torch.int32),
-        pinned_empty((2, 8), torch.float32),
-    ]
-    host_copy.to_host([x, ids, weights], bufs)
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[0], x.float().cpu()) and torch.equal(bufs[1], ids.cpu())
-    assert torch.equal(bufs[2], weights.cpu())
-
-    result = pinned_empty((2, 2055), torch.float32)
-    result.copy_(torch.randn(2, 2055) * 50)
-    out = host_copy.from_host(result, x.device, torch.bfloat16)  # compiles outside the capture
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), result.to(torch.bfloat16))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = host_copy.from_host(result, x.device, torch.bfloat16)
-    for _ in range(3):
-        result.copy_(torch.randn(2, 2055) * 50)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.cpu(), result.to(torch.bfloat16))
-
-
 def test_flag_replay_survives_a_failing_host_step() -> None:
     """The graphs wait on the device for each host step's flag: a host step that fails must still release them
     and the ones after it (else the stream waits for ever), and the next replay is exact, with the host steps on

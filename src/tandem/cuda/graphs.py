@@ -87,8 +87,6 @@ class SegmentedGraph:
             with torch.cuda.stream(stream):
                 self._begin()
                 out = fn()
-                if self._to_device:  # the last op's release, cleared for the next replay
-                    self._to_device[-1].enqueue_clear(stream)
                 self._end()
         except BaseException:
             if self._current is not None:  # leave no stream capturing behind an error
@@ -118,17 +116,13 @@ class SegmentedGraph:
         """Called by a host op with flags during capture (the graph has set `to_host`, and may have queued work
         that runs while the host computes): replay runs `host_step` while the graph runs; the graph goes on
         once `to_device` is set, which the replay does when `host_step` returns (or fails). The graph ends here;
-        the next one begins by waiting for `to_device`, which the GPU clears at the next host op (while the
-        host computes) or at the end of the step, not right after the wait, where it would delay the layer."""
-        stream = torch.cuda.current_stream()
-        if self._to_device:  # the previous op's release, cleared while the host computes: off the GPU's path
-            self._to_device[-1].enqueue_clear(stream)
+        the next one begins by waiting for `to_device`."""
         self.host_steps.append(host_step)
         self._to_host.append(to_host)
         self._to_device.append(to_device)
         self._end()
         self._begin()
-        to_device.enqueue_wait(stream)
+        to_device.enqueue_wait_and_clear(torch.cuda.current_stream())
 
     @torch.inference_mode()
     def replay(self) -> None:

@@ -106,14 +106,10 @@ class HostFlag:
         handle, ptr = ctypes.c_void_p(stream.cuda_stream), self.tensor.data_ptr()
         _check(self._lib, self._lib.write_value(handle, ptr, 1, 0), "cuStreamWriteValue32")
 
-    def enqueue_wait(self, stream: torch.cuda.Stream) -> None:
-        """On `stream`: wait until the flag is set (it stays set until `enqueue_clear` or `clear`)."""
+    def enqueue_wait_and_clear(self, stream: torch.cuda.Stream) -> None:
+        """On `stream`: wait until the flag is set, then clear it (for the next replay)."""
         handle, ptr = ctypes.c_void_p(stream.cuda_stream), self.tensor.data_ptr()
         _check(self._lib, self._lib.wait_value(handle, ptr, 1, _WAIT_VALUE_EQ), "cuStreamWaitValue32")
-
-    def enqueue_clear(self, stream: torch.cuda.Stream) -> None:
-        """On `stream`: clear the flag."""
-        handle, ptr = ctypes.c_void_p(stream.cuda_stream), self.tensor.data_ptr()
         _check(self._lib, self._lib.write_value(handle, ptr, 0, 0), "cuStreamWriteValue32")
 
     def wait_and_clear(self, timeout_s: float) -> None:
@@ -177,8 +173,7 @@ def host_flags_work(device_index: int) -> bool:
         flag = HostFlag()
         stream = torch.cuda.Stream(device_index)
         flag.enqueue_set(stream)
-        flag.enqueue_wait(stream)
-        flag.enqueue_clear(stream)
+        flag.enqueue_wait_and_clear(stream)
         stream.synchronize()
         return int(flag.tensor[0]) == 0
     except (OSError, AttributeError, RuntimeError):

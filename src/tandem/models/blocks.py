@@ -40,16 +40,8 @@ class Block:
     eps: float
     out_scale: torch.Tensor | None = None  # multiplies the block's output (Gemma 4's layer scalar)
 
-    def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int, h_prev: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The residual stream after this block as (x, h) with the block's output h not yet added (None: added),
-        so that the next pre-norm adds it in the same kernel (`add_rms_norm`); `h_prev` is the previous block's."""
-        if h_prev is None:
-            normed = rms_norm(x, self.mixer_norm, self.eps)
-        else:
-            x, normed = add_rms_norm(x, h_prev, self.mixer_norm, self.eps)
-        h = self.mixer(normed, positions, state, start)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int) -> torch.Tensor:
+        h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), positions, state, start)
         if self.post_mixer_norm is not None:
             h = rms_norm(h, self.post_mixer_norm, self.eps)
         if self.ffn_norm is None:
@@ -60,9 +52,8 @@ class Block:
             h = self.ffn(normed)
         if self.post_ffn_norm is not None:
             h = rms_norm(h, self.post_ffn_norm, self.eps)
-        if self.out_scale is None:
-            return x, h
-        return (x + h) * self.out_scale, None
+        x = x + h
+        return x if self.out_scale is None else x * self.out_scale
 
 
 class BlockBuilder(Protocol):

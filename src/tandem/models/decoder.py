@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tandem.layers.linear import Linear
-from tandem.layers.norm import add_rms_norm, rms_norm
+from tandem.layers.norm import rms_norm
 from tandem.models.blocks import BlockBuilder, RopeCache, standard_block
 from tandem.models.config import ModelConfig
 from tandem.runtime.kv_cache import KVCache
@@ -62,16 +62,11 @@ class DecoderModel:
     ) -> torch.Tensor:
         """From embeddings x [T, D] to logits: with one token on a GPU this reads positions from the
         device and has fixed shapes, so it can be captured as a CUDA graph."""
-        h: torch.Tensor | None = None  # a block's output, added to x by the next norm (Block.__call__)
         for block, kv in zip(self.blocks, cache.layers, strict=True):
-            x, h = block(x, positions, kv, start, h)
+            x = block(x, positions, kv, start)
         if not all_logits:
-            x, h = x[-1:], None if h is None else h[-1:]
-        if h is None:
-            normed = rms_norm(x, self.output_norm, self.cfg.rms_eps)
-        else:
-            _, normed = add_rms_norm(x, h, self.output_norm, self.cfg.rms_eps)
-        logits = self.output(normed).float()  # [T, V]
+            x = x[-1:]
+        logits = self.output(rms_norm(x, self.output_norm, self.cfg.rms_eps)).float()  # [T, V]
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

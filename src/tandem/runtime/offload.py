@@ -60,9 +60,7 @@ class HostCall:
     its to-device flag before copying the result back; the replay runs the host part in between (spin on the
     first flag, compute, set the second). Elsewhere the graph captured so far ends where the host part must
     run, and the replay runs graphs and host parts in order, the host part waiting for an event recorded in
-    the graph before it. Eager calls run the same code with the same buffers. The inputs leave, cast to the
-    types fn takes, in one kernel storing into the page-locked buffers, and the result comes back in one kernel
-    reading them (cuda/host_copy.py), where the GPU maps them; else through the copy engine.
+    the graph before it. Eager calls run the same code with the same buffers.
     """
 
     def __init__(
@@ -70,11 +68,8 @@ class HostCall:
         fn: Callable[[list[torch.Tensor]], torch.Tensor],
         bind: Callable[[list[torch.Tensor], torch.Tensor], Callable[[], None] | None] | None = None,
         rows: int = HOST_CALL_ROWS,
-        host_dtypes: Sequence[torch.dtype | None] = (),
     ) -> None:
         self.fn = fn  # CPU tensors [rows, ...] -> float32 CPU tensor of the output's size
-        # The type fn takes each input in (cast on the way out); None or past the end: the input's own type.
-        self.host_dtypes = tuple(host_dtypes)
         # Optional: fn prepared on the fixed buffers (inputs, output), which then runs with no per-call work.
         self.bind = bind
         self.rows = rows
@@ -96,22 +91,16 @@ class HostCall:
 
     def _start(self, inputs: Sequence[torch.Tensor], shape: Sequence[int], out_dtype: torch.dtype,
                overlap: bool) -> Pending:  # fmt: skip
-        from tandem.cuda.host_copy import from_host, to_host  # Triton: with a GPU only
-
         rows = inputs[0].shape[0]
         device = inputs[0].device
         out_shape = torch.Size(shape)
-        dtypes = [self._host_dtype(i, x) for i, x in enumerate(inputs)]
         if rows > self.rows:  # a big eager batch (a type without GPU kernels in prefill): plain copies
             assert self.segments is None, "a captured step has fixed, small shapes"
-            out = self.fn([x.to("cpu", d) for x, d in zip(inputs, dtypes, strict=True)])
-            out = out.to(device).view(out_shape).to(out_dtype)
+            out = self.fn([x.cpu() for x in inputs]).to(device).view(out_shape).to(out_dtype)
             return lambda: out
-        host_in = [
-            self._buffer(i, x[0].numel(), d)[:rows].view(x.shape)
-            for i, (x, d) in enumerate(zip(inputs, dtypes, strict=True))
-        ]
-        to_host(inputs, host_in)  # one kernel storing into the page-locked buffers (cuda/host_copy.py)
+        host_in = [self._buffer(i, x[0].numel(), x.dtype)[:rows].view(x.shape) for i, x in enumerate(inputs)]
+        for h, x in zip(host_in, inputs, strict=True):
+            h.copy_(x, non_blocking=True)
         out_host = self._buffer(len(inputs), out_shape.numel() // rows, torch.float32)[:rows]
         if rows not in self._bound:  # the buffers' addresses never change: prepare once per row count
             self._bound[rows] = self.bind(host_in, out_host) if self.bind is not None else None
@@ -150,15 +139,11 @@ class HostCall:
                 segments.add_host_step(run, *flags)
             else:
                 segments.split(run)
-            return from_host(out_host, device, out_dtype).view(out_shape)
+            return out_host.to(device, non_blocking=True).view(out_shape).to(out_dtype)
 
         if overlap:
             inputs_ready()
         return finish
-
-    def _host_dtype(self, i: int, x: torch.Tensor) -> torch.dtype:
-        dtype = self.host_dtypes[i] if i < len(self.host_dtypes) else None
-        return x.dtype if dtype is None else dtype
 
     def _buffer(self, i: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked buffer i, [self.rows, width]; made at the first (eager) call, so that a capture only
@@ -184,14 +169,14 @@ class HostLinear:
     on_host: ClassVar[bool] = True  # a boundary of the captured step: never on a side stream (cuda/streams.py)
 
     def __post_init__(self) -> None:
-        self.host = HostCall(lambda xs: self.inner(xs[0]), host_dtypes=[torch.float32])
+        self.host = HostCall(lambda xs: self.inner(xs[0]))
 
     @property
     def out_features(self) -> int:
         return self.inner.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1]).float()
         return self.host([flat], (*x.shape[:-1], self.out_features), x.dtype)
 
 
@@ -203,14 +188,14 @@ class HostExperts:
     host: HostCall = field(init=False)
 
     def __post_init__(self) -> None:
-        self.host = HostCall(lambda xs: self.inner(xs[0], xs[1]), host_dtypes=[torch.float32, torch.int32])
+        self.host = HostCall(lambda xs: self.inner(xs[0], xs[1]))
 
     @property
     def out_features(self) -> int:
         return self.inner.out_features
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.host([x, ids], (*ids.shape, self.out_features), x.dtype)
+        return self.host([x.float(), ids.to(torch.int32)], (*ids.shape, self.out_features), x.dtype)
 
 
 class ExpertStream:
@@ -305,7 +290,6 @@ class OffloadedExperts:
         self.host = HostCall(
             lambda xs: self.on_cpu(xs[0], Routing(ids=xs[1], weights=xs[2])),
             bind=self._bind if hasattr(self.on_cpu, "bind") else None,
-            host_dtypes=[torch.float32, torch.int32, torch.float32],
         )
 
     def _bind(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
@@ -334,4 +318,4 @@ class OffloadedExperts:
 
     @staticmethod
     def _host_inputs(x: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
-        return [x, routing.ids, routing.weights]  # cast to the host's types on the way (HostCall.host_dtypes)
+        return [x.float(), routing.ids.to(torch.int32), routing.weights.float()]
