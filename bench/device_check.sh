@@ -5,7 +5,7 @@
 # with llama.cpp, see bench/device_compare.sh.
 #   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  (synth presets, profiled one after the other)
 #   PLACEMENTS=cpu-moe,n-cpu-moe-24,all (also cpu-moe-in-order: the host ops without flags, and
-#     cpu-moe-plain: with --repack-experts off, to A/B them)  TESTS="tests/test_gpu.py ..." (default: tests/test_gpu*.py; none: skip)
+#     cpu-moe-repacked: with --repack-experts, to A/B them)  TESTS="tests/test_gpu.py ..." (default: tests/test_gpu*.py; none: skip)
 #   CPU_TESTS="tests/test_ggml_weights.py tests/test_synth.py" (CPU tests too, on the device's CPU: ggml picks its
 #     kernels by CPU, e.g. the repacked ones)
 #   THREADS=16  PROBE=1 (also bench/probe_host_memory.py: the host-to-GPU copy paths)

@@ -3,8 +3,8 @@
     python bench/profile_step.py MODEL [--placements cpu-moe,all] [-t 16] [--pp 512] [--tg 64]
 
 Placements: cpu-moe, cpu-moe-in-order (the same with the captured step in segments replayed in order, without
-HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the hand-over through flags gains), cpu-moe-plain (with
---repack-experts off: the experts from the file, where cpu-moe repacks them when the RAM has room), n-cpu-moe-24, all.
+HostFlags: TANDEM_HOST_FLAGS=0; an A/B of what the hand-over through flags gains), cpu-moe-repacked (with
+--repack-experts), n-cpu-moe-24, all.
 For each placement: load time; prefill and decode speed; with experts in host RAM, the share of a decode
 step spent in ggml's graphs on the CPU (the experts, timed around CPUKernels._compute) against
 the rest (GPU segments, transfers, Python); the top CUDA kernels and copies of one prefill (torch
@@ -40,7 +40,7 @@ from tandem.runtime.offload import HOST_FLAGS_ENV
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
     "cpu-moe-in-order": {"cpu_moe": True},  # the same, its captured step in segments, without HostFlags
-    "cpu-moe-plain": {"cpu_moe": True, "repack_experts": False},  # Q4_K experts from the file, not repacked copies
+    "cpu-moe-repacked": {"cpu_moe": True, "repack_experts": True},  # Q4_K experts from repacked copies
     "n-cpu-moe-24": {"n_cpu_moe": 24},
     "all": {},
 }

@@ -225,22 +225,26 @@ def test_repacked_experts_give_the_same_logits(model: SynthResult) -> None:
         assert copies[0] is not None, "the first layer's input stack was not repacked"
         assert int(notice.split(": ")[1].split(" MiB")[0]) == sum(c.nbytes for c in copies if c) >> 20
         # Layer 0's experts from its copies, from the file's blocks, and with layer 1's copy of the input
-        # stack in place of its own: the copy is what is read (the last is far off), and it is the same
-        # experts (close; the repacked gemv sums a row's blocks in another order, ~2e-7 relative).
+        # stack in place of its own: the copy is what is read (the last is far off, > 0.1), and it is the same
+        # experts (close). The repacked kernels sum a row's blocks in another order (~2e-7 relative) and now and
+        # then round an activation's 8-bit quantization the other way: over 200 random inputs (2026-11-30) the
+        # largest difference was 8.8e-4 relative (Qwen3-30B) and 5.0e-4 (Gemma 4), 5-10 % of inputs above 1e-5,
+        # where this bound was until the test failed at random in 2 of 5 runs.
         kernels, ffn = graphs[0]
         first = ffn.stacks[0]
         field = next(f for f in fields if getattr(ffn, f) is first)
         other = getattr(graphs[1][1], field).repacked
         variants = [{f: dataclasses.replace(w, repacked=None) for f in fields if (w := getattr(ffn, f)) is not None},
                     {field: dataclasses.replace(first, repacked=other)}]  # fmt: skip
-        x = torch.randn(3, first.shape[-1])
-        routes = torch.stack([torch.randperm(ffn.down.shape[0])[:4] for _ in range(3)]).int()
-        weights = torch.rand(3, 4)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, first.shape[-1], generator=g)
+        routes = torch.stack([torch.randperm(ffn.down.shape[0], generator=g)[:4] for _ in range(3)]).int()
+        weights = torch.rand(3, 4, generator=g)
         got = kernels.gated_experts(x, ffn, routes, weights)
         want, wrong = (
             kernels.gated_experts(x, dataclasses.replace(ffn, **changes), routes, weights) for changes in variants
         )
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
     assert (wrong - want).abs().max() > 0.1 * want.abs().max()
     # Through the model (two layers, the norms and the head) the logits stay as close.
     assert np.abs(repacked - plain).max() <= 1e-4 * np.abs(plain).max()

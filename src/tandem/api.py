@@ -25,7 +25,6 @@ from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.runtime.loader import WeightLoader
-from tandem.runtime.repack import repack_mode
 from tandem.runtime.sampling import Sampler, SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
@@ -99,7 +98,7 @@ class LLM:
         dtype: str | None = None,
         cuda_graphs: bool = True,
         progress: Callable[[int, int], None] | None = None,
-        repack_experts: bool | str | None = None,
+        repack_experts: bool = False,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
@@ -110,11 +109,10 @@ class LLM:
         dtype: compute type on the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32.
         progress(done, total) is called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode
         step as CUDA graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts:
-        "auto" (default, None), "on" (True) or "off" (False): copy the Q4_K expert stacks computed on the CPU into
-        ggml's repacked layout (faster decode, host RAM equal to those stacks); auto does it beside a GPU when the
-        RAM has room (runtime/repack.py).
+        copy the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
+        CPU (host RAM equal to those stacks; no decode gain measured on the GPU machine; llama.cpp leaves
+        `--cpu-moe` experts in the file).
         """
-        repack = repack_mode(repack_experts)
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
@@ -144,7 +142,7 @@ class LLM:
         initialise_vector_math()
         on_tensor = _progress(self.plan, progress)
         loader = WeightLoader(
-            self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack
+            self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts
         )
         self.model = DecoderModel(self.config, loader, arch.build_block)
         self.placed: dict[str, str] = loader.placed()

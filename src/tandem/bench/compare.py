@@ -269,7 +269,7 @@ class Comparison:
             common += ["--deadline", f"{deadline:.3f}"]
         if engine == "tandem":
             dtype = ["--dtype", s.dtype] if s.dtype else []  # tandem's GPU compute type; llama.cpp has its own
-            repack = ["--repack-experts", s.repack_experts] if s.repack_experts != "auto" else []
+            repack = ["--repack-experts"] if s.repack_experts else []
             worker = [sys.executable, "-m", "tandem.bench.worker"]
             return [*worker, "-m", s.model, *self.placements[i].argv(), *dtype, *repack, *common]
         params = self.llama[i]
@@ -423,7 +423,7 @@ def settings_from_args(args: Any) -> BenchSettings:
         timeout_s=args.timeout,
         budget_s=args.budget,
         dtype=getattr(args, "dtype", None),
-        repack_experts=getattr(args, "repack_experts", "auto"),
+        repack_experts=getattr(args, "repack_experts", False),
     )
     settings.validate()
     return settings

@@ -148,7 +148,7 @@ class BenchSettings:
     timeout_s: float = 1800.0  # per repetition; the first also counts start, load, warm-up (compare.py)
     budget_s: float | None = None  # all the worker processes together
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
-    repack_experts: str = "auto"  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
+    repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
 
     def first_process_reps(self, n_engines: int) -> int:
         """Repetitions of a row's first worker process (compare.py's schedule): with two engines and more than one

@@ -22,12 +22,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repack-experts",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout: faster decode, host RAM equal "
-        "to those stacks (default auto: beside a GPU, when the RAM has room; alone: on)",
+        action="store_true",
+        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout (host RAM equal to those "
+        "stacks; no decode gain measured on the GPU machine)",
     )
 
 

@@ -77,7 +77,7 @@ class WeightLoader:
         kernels: CPUKernels,
         dtype: torch.dtype = torch.float32,
         on_tensor: Callable[[TensorInfo], None] | None = None,
-        repack_experts: str = "off",
+        repack_experts: bool = False,
     ) -> None:
         self.file = f
         self.plan = plan
@@ -93,9 +93,9 @@ class WeightLoader:
         )
         self._dequantized: dict[str, int] = {}
         self._notices: list[str] = []
-        # CPU expert stacks copied for ggml's interleaved kernels (auto, on, off), made on a pool as loading goes
+        # CPU expert stacks copied for ggml's interleaved kernels, made on a pool as loading goes
         cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
-        self._repacks = ExpertRepacks(cpu_stacks, repack_experts, self.compute_device.type != "cpu", kernels.n_threads)
+        self._repacks = ExpertRepacks(cpu_stacks, repack_experts, kernels.n_threads)
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
@@ -138,7 +138,7 @@ class WeightLoader:
 
     def cpu_experts(self, info: TensorInfo) -> GGMLExperts:
         """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or on a repacked copy
-        of them (Q4_K, where ggml repacks it on this CPU; runtime/repack.py says when)."""
+        of them with --repack-experts (Q4_K, where ggml repacks it on this CPU; runtime/repack.py)."""
         self._record(info, info.data)
         return GGMLExperts(self._repacks.weight(info), self.kernels)
 
