@@ -33,6 +33,8 @@
 #   MODELS="qwen3-30b-a3b qwen3.6-35b-a3b"  synth presets, each optionally NAME:MATRIX (its own matrix, e.g.
 #     gemma4-26b-a4b:cpu-moe,all);  MODEL_FILES="a.gguf b.gguf" uses files instead
 #   MATRIX=cpu-moe,n-cpu-moe=half,all  PP=512 (e.g. 512,2048: more time)  TG=128  REPS=3  THREADS=16  DEVICE=cuda
+#   PROCESS_REPS=K (tandem bench --process-reps: K repetitions per worker process, the engines taking turns in
+#     as many rounds as REPS needs; default: two processes per engine)
 #   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
@@ -279,7 +281,8 @@ for k in "${!targets[@]}"; do
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
     --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
-    --timeout "$budget" --budget "$budget" --report "$OUT/$name" ${BENCH_FLAGS:-} >"/tmp/bench_$name.out"
+    --timeout "$budget" --budget "$budget" --report "$OUT/$name" ${PROCESS_REPS:+--process-reps "$PROCESS_REPS"} \
+    ${BENCH_FLAGS:-} >"/tmp/bench_$name.out"
   rc=$?
   say "bench $name: exit $rc"
   (( rc == 0 )) || status=1

@@ -255,7 +255,8 @@ def test_one_process_runs_every_repetition(tiny_qwen3moe_gguf: tuple[Path, Path]
 
 @pytest.mark.parametrize(
     "extra",
-    [["--pp", "0"], ["--matrix", "nonsense"], ["--n-cpu-moe", "9"], ["--timeout", "0"], ["--pp", "60,8", "-c", "64"]],
+    [["--pp", "0"], ["--matrix", "nonsense"], ["--n-cpu-moe", "9"], ["--timeout", "0"], ["--pp", "60,8", "-c", "64"],
+     ["--process-reps", "0"]],
 )
 def test_usage_errors_exit_2(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, extra: list[str]) -> None:
     argv = ["bench", "-m", str(tiny_qwen3moe_gguf[1]), "--tg", "8", "--report", str(tmp_path / "r"), *extra]
@@ -270,7 +271,9 @@ def test_report_path_that_is_a_file_is_a_usage_error(tiny_qwen3moe_gguf: tuple[P
     assert mine.read_text() == "a user's file"
 
 
-@pytest.mark.parametrize("extra", [["--matrix", "nonsense"], ["--peer-lib", "/x"], ["--budget", "60"]])
+@pytest.mark.parametrize(
+    "extra", [["--matrix", "nonsense"], ["--peer-lib", "/x"], ["--budget", "60"], ["--process-reps", "2"]]
+)
 def test_matrix_options_are_never_ignored(tiny_qwen3moe_gguf: tuple[Path, Path], extra: list[str]) -> None:
     """Without --compare or --report, --matrix still runs its placements (its bad value is an error); the options
     that only such runs read are errors without them."""
@@ -483,3 +486,38 @@ def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch
     assert "in the order tandem, llama.cpp, llama.cpp, tandem" in text
     # Each row's decode speeds, repetition by repetition in the order run (tandem: its first process, then its last).
     assert "- tandem `cpu`: 10.0, 8.0, 2.0\n" in text and "- llama.cpp `cpu`: 5.0, 4.0, 2.5\n" in text
+    # Round by round: 9 against 4.5 tok/s (the medians of the first processes), then 2 against 2.5.
+    assert "- `cpu`: 2.00×, 0.80×\n" in text
+
+
+def test_process_reps_takes_turns_in_more_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--process-reps 2 with --reps 5: three processes per engine (2, 2, 1 repetitions), the engines' order mirrored
+    from round to round, so that no engine runs two rounds in a row at the same spell of the machine."""
+    import tandem.bench.compare as compare
+    from tandem.bench.spec import BenchSettings
+
+    ran: list[tuple[str, int]] = []
+
+    def fake_run_worker(cmd: list[str], timeout_s: float, **kw: object) -> compare.RunOutcome:
+        engine = "tandem" if "tandem.bench.worker" in cmd else "llamacpp"
+        reps = int(cmd[cmd.index("--reps") + 1])
+        ran.append((engine, reps))
+        got = []
+        for _ in range(reps):
+            rep = {"pp_s": {"4": [0.1]}, "tg_s": [0.2], "load_s": 1.0, "peak_rss_bytes": 1}
+            rep["vram"] = {"used_bytes": None, "source": None}
+            kw["on_rep"](rep)  # type: ignore[operator]
+            got.append(rep)
+        return compare.RunOutcome("ok", result={**got[-1], "reps_done": reps}, reps=got, first_rep_s=1.0)
+
+    monkeypatch.setattr(compare, "run_worker", fake_run_worker)
+    settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=5, n_ctx=64, n_batch=8, process_reps=2)
+    assert settings.process_plan(2) == [2, 2, 1] and settings.process_plan(1) == [2, 2, 1]
+    peer = {"n_gpu_layers": -1, "overrides": []}
+    report = compare.Comparison(settings, [Placement()], llama={0: peer}).run(log=io.StringIO())
+    assert report.all_ok and all(row.reps_done == 5 and len(row.walls) == 3 for row in report.rows)
+    assert ran == [("tandem", 2), ("llamacpp", 2), ("llamacpp", 2), ("tandem", 2), ("tandem", 1), ("llamacpp", 1)]
+    assert (
+        "3 worker processes per engine x placement, in the order tandem, llama.cpp, llama.cpp, tandem, and so "
+        "on (each: load, one warm-up, then its repetitions: 2, 2, 1)" in render_markdown(report)
+    )

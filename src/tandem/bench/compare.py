@@ -1,10 +1,13 @@
 """`tandem bench --compare llamacpp --report DIR`: tandem and llama.cpp, same placement, side by side.
 
 Schedule: worker processes (worker.py for tandem, llamacpp_worker.py for llama.cpp) one after the other,
-two per engine x placement in the order tandem, llama.cpp, llama.cpp, tandem at placement A, then the same at
-B, ...: the first two run ceil(reps / 2) repetitions, the others the rest (with --reps 1, or one engine, one
-process per row). A machine's slow spell, or a slow process, then falls on both engines rather than on whichever
-ran in it: on one H200 host tandem's decode varied by 30 % between processes of the same minutes (2026-11-30).
+by default two per engine x placement in the order tandem, llama.cpp, llama.cpp, tandem at placement A, then
+the same at B, ...: the first two run ceil(reps / 2) repetitions, the others the rest (with --reps 1, or one
+engine, one process per row). --process-reps K runs K repetitions per process instead, in as many rounds as
+that takes, the engines' order mirrored from round to round (tandem, llama.cpp, llama.cpp, tandem, tandem,
+...). A machine's slow spell, or a slow process, then falls on both engines rather than on whichever ran in it:
+on one H200 host tandem's decode varied by 30 % between processes of the same minutes (2026-11-30), and by
++-8 % in later calls, more than the two engines differ by: more rounds make the ratio tell.
 Each process loads the model once, warms up once and then runs its repetitions, printing each
 repetition's result as soon as it is measured; the orchestrator keeps those, so a crash, a hang or a kill in
 repetition k leaves the row with the k - 1 repetitions before it (its status says what went wrong, and the
@@ -318,14 +321,13 @@ class Comparison:
         return report
 
     def _schedule(self) -> list[tuple[int, str, int]]:
-        """(placement, engine, repetitions) of each worker process, in order (the module docstring)."""
-        reps = self.settings.reps
-        first = self.settings.first_process_reps(len(self.engines))
+        """(placement, engine, repetitions) of each worker process, in order (the module docstring): the engines in
+        turn, their order mirrored from one round of processes to the next (A B, B A, A B, ...)."""
+        plan = self.settings.process_plan(len(self.engines))
         order = []
         for i in range(len(self.placements)):
-            order += [(i, e, first) for e in self.engines]
-            if reps > first:
-                order += [(i, e, reps - first) for e in reversed(self.engines)]
+            for k, reps in enumerate(plan):
+                order += [(i, e, reps) for e in (self.engines if k % 2 == 0 else reversed(self.engines))]
         return order
 
     def _write(self, report: Report, png: bool) -> None:
@@ -424,6 +426,7 @@ def settings_from_args(args: Any) -> BenchSettings:
         budget_s=args.budget,
         dtype=getattr(args, "dtype", None),
         repack_experts=getattr(args, "repack_experts", False),
+        process_reps=getattr(args, "process_reps", None),
     )
     settings.validate()
     return settings

@@ -260,15 +260,39 @@ def _cpu_line(machine: dict[str, Any]) -> str:
 
 def _schedule_line(report: Report) -> str:
     """How the worker processes ran (bench/compare.py's schedule)."""
-    reps = report.settings.reps
-    first = report.settings.first_process_reps(len(report.engines))
-    if first < reps:
+    plan = report.settings.process_plan(len(report.engines))
+    if len(plan) == 1:
         return (
-            "two worker processes per engine x placement, in the order "
-            + ", ".join(ENGINE_NAMES[e] for e in (*report.engines, *reversed(report.engines)))
-            + f" (each: load, one warm-up, then its repetitions: {first} in the first two, {reps - first} after)"
+            "one worker process per engine x placement (load, one warm-up, then the repetitions), engines alternating"
         )
-    return "one worker process per engine x placement (load, one warm-up, then the repetitions), engines alternating"
+    engines = [ENGINE_NAMES[e] for e in report.engines]
+    rounds = [", ".join(engines if k % 2 == 0 else engines[::-1]) for k in range(min(len(plan), 2))]
+    count = "two" if len(plan) == 2 else str(len(plan))
+    return (
+        f"{count} worker processes per engine x placement, in the order {', '.join(rounds)}"
+        + (", and so on" if len(plan) > 2 else "")
+        + f" (each: load, one warm-up, then its repetitions: {', '.join(map(str, plan))})"
+    )
+
+
+def _round_ratios(report: Report) -> list[tuple[str, list[float]]]:
+    """Per placement with both engines and more than one round of processes: tandem's decode over llama.cpp's in
+    each round where both processes ran a repetition (compare.py's schedule)."""
+    plan = report.settings.process_plan(len(report.engines))
+    if len(plan) < 2 or set(report.engines) != {"tandem", "llamacpp"}:
+        return []
+    bounds = [sum(plan[:k]) for k in range(len(plan) + 1)]
+    out = []
+    for i, placement in enumerate(report.placements):
+        rows = {r.engine: r for r in report.rows if r.index == i}
+        ratios = []
+        for k in range(len(plan)):
+            tg = {e: [t for run in rows[e].runs[bounds[k] : bounds[k + 1]] for t in run["tg_s"]] for e in rows}
+            if tg.get("tandem") and tg.get("llamacpp"):
+                ratios.append(statistics.median(tg["llamacpp"]) / statistics.median(tg["tandem"]))
+        if len(ratios) > 1:
+            out.append((placement.label, ratios))
+    return out
 
 
 def render_markdown(report: Report) -> str:
@@ -325,6 +349,12 @@ def render_markdown(report: Report) -> str:
         for r in repeated:
             speeds = ", ".join(_num(s.tg / t) for run in r.runs for t in run["tg_s"])
             lines.append(f"- {ENGINE_NAMES.get(r.engine, r.engine)} `{r.placement.label}`: {speeds}")
+        rounds = _round_ratios(report)
+        if rounds:
+            lines += ["", f"tandem/llama.cpp tg{s.tg} by round (each round's tandem process against its llama.cpp one, "
+                      "the medians of their repetitions; ratios that all lie on one side of 1 are a lead, not noise):",
+                      ""]  # fmt: skip
+            lines += [f"- `{label}`: {', '.join(f'{x:.2f}×' for x in ratios)}" for label, ratios in rounds]
     translated = [r for r in report.rows if r.engine == "llamacpp" and isinstance(r.llama, dict)]
     if translated:
         lines += ["", "llama.cpp placements (n_gpu_layers; tensor_buft_overrides, first match wins):", ""]

@@ -148,12 +148,15 @@ class BenchSettings:
     timeout_s: float = 1800.0  # per repetition; the first also counts start, load, warm-up (compare.py)
     budget_s: float | None = None  # all the worker processes together
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
+    process_reps: int | None = None  # repetitions per worker process (None: the reps in two processes per engine)
     repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
 
-    def first_process_reps(self, n_engines: int) -> int:
-        """Repetitions of a row's first worker process (compare.py's schedule): with two engines and more than one
-        repetition, half of them rounded up (a second process runs the rest); else all of them."""
-        return -(-self.reps // 2) if n_engines > 1 else self.reps
+    def process_plan(self, n_engines: int) -> list[int]:
+        """Repetitions of each of a row's worker processes, in order (compare.py's schedule): `process_reps` each
+        (the last one the rest); by default, with two engines and more than one repetition, half of them rounded
+        up and then the rest (two processes); else all of them in one."""
+        per = self.process_reps or (-(-self.reps // 2) if n_engines > 1 else self.reps)
+        return [min(per, self.reps - done) for done in range(0, self.reps, per)]
 
     def validate(self) -> None:
         """Raise TandemError (a usage error) for sizes no run could use."""
@@ -165,3 +168,5 @@ class BenchSettings:
             raise TandemError("--timeout must be positive")
         if self.threads <= 0:
             raise TandemError("-t/--threads must be positive")
+        if self.process_reps is not None and self.process_reps <= 0:
+            raise TandemError("--process-reps must be positive")

@@ -324,8 +324,8 @@ def bench(args: argparse.Namespace) -> int:
         from tandem.bench.compare import run_from_args
 
         return run_from_args(args)
-    if args.peer_lib or args.budget is not None:
-        raise TandemError("--peer-lib and --budget apply to runs with --compare, --report or --matrix")
+    if args.peer_lib or args.budget is not None or args.process_reps is not None:
+        raise TandemError("--peer-lib, --budget and --process-reps apply to runs with --compare, --report or --matrix")
     from tandem.bench.runner import run_bench
 
     pp_sizes = args.pp if isinstance(args.pp, list) else [args.pp]

@@ -100,6 +100,10 @@ def _add_compare_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--budget", type=float, default=None, metavar="S", help="start no run after S seconds in all")
     p.add_argument(
+        "--process-reps", type=int, default=None, metavar="K",
+        help="repetitions per worker process, the engines taking turns (default: the reps in two processes each)",
+    )  # fmt: skip
+    p.add_argument(
         "--peer-lib",
         default=None,
         metavar="DIR",
