@@ -29,6 +29,7 @@ cache, what `transformers` computes, up to summation order).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,7 +41,7 @@ from tandem.cuda.streams import side_by_side
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
-from tandem.quant.ggml_ops import ggml_attention_row
+from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention_row
 from tandem.runtime.kv_cache import LayerKV
 
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
@@ -122,7 +123,7 @@ def normed_rotated_attend(
     else:
         k = layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps)
         keys, values, first = cache.store(start, k, v, positions)  # [S, G, D] from position `first`
-    return attend(q, keys, values, positions, layer.shape, sinks, first)
+    return attend(q, keys, values, positions, layer.shape, sinks, first, cache)
 
 
 def attend(
@@ -133,18 +134,21 @@ def attend(
     s: AttentionShape,
     sinks: torch.Tensor | None = None,
     first: int = 0,
+    cache: LayerKV | None = None,
 ) -> torch.Tensor:
     """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D], those of
     positions first, first + 1, ... (a decode step on a GPU: a whole cache buffer, a ring's rows by position
     modulo its size).
 
-    `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing."""
+    `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing. `cache`: the buffer
+    keys and values are (a prefix of), whose float32 copies a CPU decode step reads (`LayerKV.float32_rows`)."""
     if q.is_cuda and q.shape[0] == 1:  # decoding: one kernel pair reads p on the device, builds no mask
         from tandem.cuda.decode_attention import decode_attention
 
         return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
     if keys.dtype is torch.float16 and not q.is_cuda and q.shape[0] == 1 and s.softcap is None and sinks is None:
-        return _attend_row_ggml(q, keys, values, int(positions[0]) - first, s)
+        rows = cache.float32_rows if cache is not None and cache.window is None and first == 0 else None
+        return _attend_row_ggml(q, keys, values, int(positions[0]) - first, s, rows)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
@@ -310,13 +314,20 @@ def _query_scaling(scale: float) -> tuple[bool, np.float32]:
 
 
 def _attend_row_ggml(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: int, s: AttentionShape
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: int,
+    s: AttentionShape,
+    float32_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Decoding with an f16 cache on the CPU (one query row [1, H, D] at `position`, no softcap, no sinks):
     ggml's own attention nodes, which round as `_attend_ggml` does, in a fraction of its time -> [1, H, Dv].
 
-    Keys and values are zero-padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view:
-    the padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail."""
+    Keys and values are padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view: the
+    padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail. ggml reads
+    them in float32: the cache's kept copies (`float32_rows(n_keys, padded)`, see LayerKV.float32_rows) when
+    given, else copies made here."""
     n_keys = keys.shape[0]
     padded = -(-n_keys // _STEP) * _STEP
     scale_queries, kq_scale = _query_scaling(s.scale)
@@ -325,15 +336,19 @@ def _attend_row_ggml(
         q32 = q32 * np.float32(s.scale)
     # float32 copies in torch (numpy's f16 conversion is several times slower), values transposed so that
     # the sums over positions run along rows
-    k = torch.zeros((padded, *keys.shape[1:]), dtype=torch.float32)
-    k[:n_keys] = keys
-    vt = torch.zeros((values.shape[1], values.shape[2], padded), dtype=torch.float32)
-    vt[..., :n_keys] = values.permute(1, 2, 0)
+    if float32_rows is not None:
+        k, vt = float32_rows(n_keys, padded)
+    else:
+        k = torch.zeros((padded, *keys.shape[1:]), dtype=torch.float32)
+        k[:n_keys] = keys
+        vt = torch.zeros((values.shape[1], values.shape[2], padded), dtype=torch.float32)
+        vt[..., :n_keys] = values.permute(1, 2, 0)
     mask = np.full(padded, -np.inf, dtype=np.float32)
     first = 0 if s.sliding_window is None else max(0, position - s.sliding_window + 1)
     mask[first : min(position + 1, n_keys)] = 0.0
     q16 = q32.astype(np.float16).astype(np.float32)
-    out = ggml_attention_row(q16, k.numpy(), vt.numpy(), mask, float(kq_scale))
+    threads = torch.get_num_threads() if padded >= ATTENTION_THREADED_FROM else 1
+    out = ggml_attention_row(q16, k.numpy(), vt.numpy(), mask, float(kq_scale), threads)
     return torch.from_numpy(out).unsqueeze(0).to(device=q.device, dtype=q.dtype)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
-__all__ = ["ggml_attention_row", "ggml_elementwise"]
+__all__ = ["ATTENTION_THREADED_FROM", "ggml_attention_row", "ggml_elementwise"]
 
 
 def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
@@ -70,11 +70,14 @@ class _AttentionGraph:
 
 
 _ATTENTION_GRAPHS: OrderedDict[tuple[int | float, ...], _AttentionGraph] = OrderedDict()
+# From this many positions one row's attention runs on all of torch's threads (below, one: a thread's wake-up
+# costs more than its share; at 3,008 positions one thread took 0.84 ms per Gemma 3 270M layer)
+ATTENTION_THREADED_FROM = 1024
 _MAX_ATTENTION_GRAPHS = 16  # decode needs one per layer geometry and scale; it moves on every 64 positions
 _attention_lock = threading.Lock()
 
 
-def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float) -> _AttentionGraph:
+def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float, n_threads: int) -> _AttentionGraph:
     """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(v^T, kq), the nodes of llama.cpp's attention
     without flash attention; the inputs' memory is the caller's, the rest the compute context's.
 
@@ -100,7 +103,7 @@ def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float) -
     out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, 1, H]
     graph = ggml.ggml_new_graph_custom(ctx, 16, False)
     ggml.ggml_build_forward_expand(graph, out)
-    plan = ggml.ggml_graph_plan(graph, 1, None)  # one thread: a few hundred thousand products
+    plan = ggml.ggml_graph_plan(graph, n_threads, None)
     work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
     plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, dv))
@@ -108,29 +111,42 @@ def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float) -
                            (q.contents, k.contents, vt.contents, mask.contents), result, work)  # fmt: skip
 
 
-def ggml_attention_row(q: np.ndarray, k: np.ndarray, vt: np.ndarray, mask: np.ndarray, kq_scale: float) -> np.ndarray:
+def _set_strides(tensor: ggml.ggml_tensor, nb1: int, nb2: int) -> None:
+    """A 3-d float32 tensor's byte strides (its rows contiguous), the 4th following from the 3rd."""
+    assert tensor.nb[0] == 4, "rows must be contiguous"
+    tensor.nb[1], tensor.nb[2] = nb1, nb2
+    tensor.nb[3] = nb2 * tensor.ne[2]
+
+
+def ggml_attention_row(
+    q: np.ndarray, k: np.ndarray, vt: np.ndarray, mask: np.ndarray, kq_scale: float, n_threads: int = 1
+) -> np.ndarray:
     """One query row's attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
     `soft_max_ext` kernel, and its f16 `mul_mat` sums (query and probabilities rounded to f16) in the lanes
     and order llama.cpp's build uses (see `_build_attention`).
 
     q: [H, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
-    holding f16 values; mask: [N] float32 (0 or -inf); all C-contiguous. Query head h reads KV head
-    h // (H / G).
+    holding f16 values; mask: [N] float32 (0 or -inf). q and mask C-contiguous; k and vt may be views with
+    strides of their own (a longer buffer's first N positions), their last axis contiguous. Query head h reads
+    KV head h // (H / G). n_threads: ggml's threads; each output is one thread's sum, so the values do not
+    depend on it.
     Returns [H, Dv] float32 (a fresh array)."""
     h, d = q.shape
     n, g, _ = k.shape
     dv = vt.shape[1]
-    key = (h, g, d, dv, n, float(kq_scale))
+    key = (h, g, d, dv, n, float(kq_scale), n_threads)
     with _attention_lock:  # the cached graph's input pointers are rewritten per call
         a = _ATTENTION_GRAPHS.get(key)
         if a is None:
-            a = _ATTENTION_GRAPHS[key] = _build_attention(h, g, d, dv, n, float(kq_scale))
+            a = _ATTENTION_GRAPHS[key] = _build_attention(h, g, d, dv, n, float(kq_scale), n_threads)
             while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
                 _ATTENTION_GRAPHS.popitem(last=False)
         else:
             _ATTENTION_GRAPHS.move_to_end(key)
         for tensor, array in zip(a.inputs, (q, k, vt, mask), strict=True):
             tensor.data = array.ctypes.data
+        _set_strides(a.inputs[1], k.strides[0], k.strides[1])  # k [N, G, D] is ggml's (D, N, G)
+        _set_strides(a.inputs[2], vt.strides[1], vt.strides[0])  # vt [G, Dv, N] is ggml's (N, Dv, G)
         status = ggml.ggml_graph_compute(a.graph, ctypes.byref(a.plan))
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed with status {status}")

@@ -1,0 +1,50 @@
+"""The CPU decode step's attention reads float32 copies the f16 cache keeps (LayerKV.float32_rows) instead of
+converting the whole cache at every step: the same values bit for bit as the copies made per step, after
+overwrites (a shorter sequence continued), across the doubling of the copies, and with ggml's threads."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.layers.attention import AttentionShape, _attend_row_ggml
+from tandem.runtime.kv_cache import LayerKV
+
+SHAPE = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=64, value_dim=64, scale=0.125, sliding_window=None)
+
+
+def _step(cache: LayerKV, position: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store position's k/v, then one query row's attention twice: from the kept copies and from per-step
+    copies."""
+    k, v = torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g)
+    keys, values, first = cache.store(position, k, v)
+    q = torch.randn(1, 4, 64, generator=g)
+    kept = _attend_row_ggml(q, keys, values, position - first, SHAPE, cache.float32_rows)
+    fresh = _attend_row_ggml(q, keys, values, position - first, SHAPE)
+    return kept, fresh
+
+
+def test_kept_float32_rows_give_the_per_step_values() -> None:
+    g = torch.Generator().manual_seed(0)
+    cache = LayerKV.allocate(2048, 2, 64, 64, torch.float16, "cpu")
+    for position in [*range(0, 70), *range(40, 140), *range(1000, 1100)]:  # 40..: an overwrite; 1000..: a jump
+        if position == 1000:  # positions 140..999 written without a decode step reading them (prefill)
+            cache.store(140, torch.randn(860, 2, 64, generator=g), torch.randn(860, 2, 64, generator=g))
+        kept, fresh = _step(cache, position, g)
+        assert torch.equal(kept, fresh), position
+    assert cache._f32 is not None and cache._f32[0].shape[0] >= 1088  # grown past its first size
+
+
+def test_attention_threads_leave_the_values() -> None:
+    """From ATTENTION_THREADED_FROM positions ggml's attention runs on torch's threads: each output is one
+    thread's sum, so 1 and 2 threads agree bit for bit."""
+    from tandem.quant.ggml_ops import ggml_attention_row
+
+    g = torch.Generator().manual_seed(1)
+    n = 1536
+    q = torch.randn(4, 64, generator=g).half().float().numpy()
+    k = torch.randn(n, 2, 64, generator=g).half().float().numpy()
+    vt = torch.randn(2, 64, n, generator=g).half().float().numpy()
+    mask = torch.zeros(n).numpy()
+    mask[1500:] = float("-inf")
+    one, two = (ggml_attention_row(q, k, vt, mask, 0.125, threads) for threads in (1, 2))
+    assert (one == two).all()
