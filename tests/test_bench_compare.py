@@ -453,14 +453,13 @@ def test_budget_leaves_later_rows_their_first_repetition(monkeypatch: pytest.Mon
     assert deadlines[2] == pytest.approx(100, abs=2)
 
 
-def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With two engines and --reps 3, each placement runs tandem (2 repetitions), llama.cpp (2), llama.cpp (1),
-    tandem (1): a slow spell of the machine falls on both engines. Each row ends with all 3 repetitions."""
+def _fake_workers(monkeypatch: pytest.MonkeyPatch, tg_s: list[float]) -> list[tuple[str, int]]:
+    """Worker processes replaced by one that reports each repetition at once, its decode time the next of `tg_s`;
+    returns the (engine, repetitions) of each process run, filled as they run."""
     import tandem.bench.compare as compare
-    from tandem.bench.spec import BenchSettings
 
     ran: list[tuple[str, int]] = []
-    tg_s = iter([0.2, 0.25, 0.4, 0.5, 0.8, 1.0] * 2)  # each repetition its own decode time: 10, 8, 5, 4, 2.5, 2 tok/s
+    times = iter(tg_s)
 
     def fake_run_worker(cmd: list[str], timeout_s: float, **kw: object) -> compare.RunOutcome:
         engine = "tandem" if "tandem.bench.worker" in cmd else "llamacpp"
@@ -468,13 +467,24 @@ def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch
         ran.append((engine, reps))
         got = []
         for _ in range(reps):
-            rep = {"pp_s": {"4": [0.1]}, "tg_s": [next(tg_s)], "load_s": 1.0, "peak_rss_bytes": 1}
+            rep = {"pp_s": {"4": [0.1]}, "tg_s": [next(times)], "load_s": 1.0, "peak_rss_bytes": 1}
             rep["vram"] = {"used_bytes": None, "source": None}
             kw["on_rep"](rep)  # type: ignore[operator]
             got.append(rep)
         return compare.RunOutcome("ok", result={**got[-1], "reps_done": reps}, reps=got, first_rep_s=1.0)
 
     monkeypatch.setattr(compare, "run_worker", fake_run_worker)
+    return ran
+
+
+def test_two_processes_per_row_in_mirrored_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two engines and --reps 3, each placement runs tandem (2 repetitions), llama.cpp (2), llama.cpp (1),
+    tandem (1): a slow spell of the machine falls on both engines. Each row ends with all 3 repetitions."""
+    import tandem.bench.compare as compare
+    from tandem.bench.spec import BenchSettings
+
+    tg_s = [0.2, 0.25, 0.4, 0.5, 0.8, 1.0] * 2  # each repetition its own decode time: 10, 8, 5, 4, 2.5, 2 tok/s
+    ran = _fake_workers(monkeypatch, tg_s)
     settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=3, n_ctx=64, n_batch=8)
     peer = {"n_gpu_layers": -1, "overrides": []}
     comparison = compare.Comparison(settings, [Placement(), Placement(cpu_moe=True)], llama={0: peer, 1: peer})
@@ -496,21 +506,7 @@ def test_process_reps_takes_turns_in_more_rounds(monkeypatch: pytest.MonkeyPatch
     import tandem.bench.compare as compare
     from tandem.bench.spec import BenchSettings
 
-    ran: list[tuple[str, int]] = []
-
-    def fake_run_worker(cmd: list[str], timeout_s: float, **kw: object) -> compare.RunOutcome:
-        engine = "tandem" if "tandem.bench.worker" in cmd else "llamacpp"
-        reps = int(cmd[cmd.index("--reps") + 1])
-        ran.append((engine, reps))
-        got = []
-        for _ in range(reps):
-            rep = {"pp_s": {"4": [0.1]}, "tg_s": [0.2], "load_s": 1.0, "peak_rss_bytes": 1}
-            rep["vram"] = {"used_bytes": None, "source": None}
-            kw["on_rep"](rep)  # type: ignore[operator]
-            got.append(rep)
-        return compare.RunOutcome("ok", result={**got[-1], "reps_done": reps}, reps=got, first_rep_s=1.0)
-
-    monkeypatch.setattr(compare, "run_worker", fake_run_worker)
+    ran = _fake_workers(monkeypatch, [0.2] * 10)
     settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=5, n_ctx=64, n_batch=8, process_reps=2)
     assert settings.process_plan(2) == [2, 2, 1] and settings.process_plan(1) == [2, 2, 1]
     peer = {"n_gpu_layers": -1, "overrides": []}
