@@ -23,15 +23,17 @@ class ExpertRepacks:
     a thread pool as loading goes."""
 
     def __init__(self, experts: Iterable[TensorInfo], enabled: bool, threads: int) -> None:
-        stacks = [i for i in experts if len(i.shape) == 3 and repackable_experts(GGMLWeight(i.data, i.qtype, i.shape))]
         self.enabled = enabled
-        self.copy_bytes = sum(i.n_bytes for i in stacks) if enabled else 0
+        self.copy_bytes = 0
         self._pending: dict[str, concurrent.futures.Future[GGMLWeight]] = {}
-        if not enabled or not stacks:
+        if not enabled:
             return
         pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="tandem-repack")
-        for info in stacks:  # in layer order, as the loader asks for them
-            self._pending[info.name] = pool.submit(repack_experts, GGMLWeight(info.data, info.qtype, info.shape))
+        for info in experts:  # in layer order, as the loader asks for them
+            w = GGMLWeight(info.data, info.qtype, info.shape) if len(info.shape) == 3 else None
+            if w is not None and repackable_experts(w):
+                self.copy_bytes += info.n_bytes
+                self._pending[info.name] = pool.submit(repack_experts, w)
         pool.shutdown(wait=False)
 
     @property
