@@ -18,8 +18,8 @@ def _step(cache: LayerKV, position: int, g: torch.Generator) -> tuple[torch.Tens
     k, v = torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g)
     keys, values, first = cache.store(position, k, v)
     q = torch.randn(1, 4, 64, generator=g)
-    kept = _attend_row_ggml(q, keys, values, position - first, SHAPE, cache.float32_rows)
-    fresh = _attend_row_ggml(q, keys, values, position - first, SHAPE)
+    kept = _attend_row_ggml(q, cache, keys.shape[0], position - first, SHAPE)
+    fresh = _attend_row_ggml(q, LayerKV(k=keys, v=values), keys.shape[0], position - first, SHAPE)  # copied anew
     return kept, fresh
 
 

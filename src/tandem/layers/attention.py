@@ -29,7 +29,6 @@ cache, what `transformers` computes, up to summation order).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -147,8 +146,9 @@ def attend(
 
         return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
     if keys.dtype is torch.float16 and not q.is_cuda and q.shape[0] == 1 and s.softcap is None and sinks is None:
-        rows = cache.float32_rows if cache is not None and cache.window is None and first == 0 else None
-        return _attend_row_ggml(q, keys, values, int(positions[0]) - first, s, rows)
+        kept = cache is not None and cache.window is None and first == 0
+        kv = cache if kept else LayerKV(k=keys, v=values)  # else float32 copies made for this step alone
+        return _attend_row_ggml(q, kv, keys.shape[0], int(positions[0]) - first, s)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
@@ -313,36 +313,19 @@ def _query_scaling(scale: float) -> tuple[bool, np.float32]:
     return scale_queries, np.float32(1.0 if scale_queries else scale)
 
 
-def _attend_row_ggml(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    position: int,
-    s: AttentionShape,
-    float32_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> torch.Tensor:
+def _attend_row_ggml(q: torch.Tensor, kv: LayerKV, n_keys: int, position: int, s: AttentionShape) -> torch.Tensor:
     """Decoding with an f16 cache on the CPU (one query row [1, H, D] at `position`, no softcap, no sinks):
     ggml's own attention nodes, which round as `_attend_ggml` does, in a fraction of its time -> [1, H, Dv].
 
     Keys and values are padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view: the
     padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail. ggml reads
-    them in float32: the cache's kept copies (`float32_rows(n_keys, padded)`, see LayerKV.float32_rows) when
-    given, else copies made here."""
-    n_keys = keys.shape[0]
+    the first n_keys positions of `kv` in float32, from the copies it keeps (LayerKV.float32_rows)."""
     padded = -(-n_keys // _STEP) * _STEP
     scale_queries, kq_scale = _query_scaling(s.scale)
     q32 = q.detach().float().cpu().numpy()[0]
     if scale_queries:
         q32 = q32 * np.float32(s.scale)
-    # float32 copies in torch (numpy's f16 conversion is several times slower), values transposed so that
-    # the sums over positions run along rows
-    if float32_rows is not None:
-        k, vt = float32_rows(n_keys, padded)
-    else:
-        k = torch.zeros((padded, *keys.shape[1:]), dtype=torch.float32)
-        k[:n_keys] = keys
-        vt = torch.zeros((values.shape[1], values.shape[2], padded), dtype=torch.float32)
-        vt[..., :n_keys] = values.permute(1, 2, 0)
+    k, vt = kv.float32_rows(n_keys, padded)  # values transposed: the sums over positions run along rows
     mask = np.full(padded, -np.inf, dtype=np.float32)
     first = 0 if s.sliding_window is None else max(0, position - s.sliding_window + 1)
     mask[first : min(position + 1, n_keys)] = 0.0
