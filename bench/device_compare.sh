@@ -63,7 +63,8 @@
 #   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row, or the rows
 #     of AB_MATRIX (e.g. all), once per variant, in the same call, its table in the log: `ggml25` runs on ggml-python
 #     built around llama.cpp's ggml 0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too),
-#     `+repack` adds --repack-experts, `tNN` uses NN threads, `tree-NAME` imports tandem from ab/NAME/src: another
+#     `+repack` adds --repack-experts, `pcieK` --pcie-experts K (after BENCH_FLAGS: it wins), `tNN` uses NN threads,
+#     `tree-NAME` imports tandem from ab/NAME/src: another
 #     branch's src/ copied there, untracked, which the device call carries with the working tree)
 #   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
 #     costs, with flags and in order)
@@ -295,10 +296,12 @@ for k in "${!targets[@]}"; do
     [[ $variant =~ tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[1]}/src:$path"
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
+    [[ $variant =~ pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
     say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"
     PYTHONPATH=$path timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
-      "${flags[@]}" --matrix "${AB_MATRIX:-cpu-moe}" --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
-      --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} >"/tmp/ab_${name}_$variant.out" 2>&1
+      --matrix "${AB_MATRIX:-cpu-moe}" --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
+      --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} "${flags[@]}" \
+      >"/tmp/ab_${name}_$variant.out" 2>&1  # the variant's flags last: they win over BENCH_FLAGS
     say "AB $name $variant: exit $?"
     grep '^|' "/tmp/ab_${name}_$variant/report.md" 2>/dev/null || tail -5 "/tmp/ab_${name}_$variant.out"
   done

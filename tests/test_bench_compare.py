@@ -517,3 +517,20 @@ def test_process_reps_takes_turns_in_more_rounds(monkeypatch: pytest.MonkeyPatch
         "3 worker processes per engine x placement, in the order tandem, llama.cpp, llama.cpp, tandem, and so "
         "on (each: load, one warm-up, then its repetitions: 2, 2, 1)" in render_markdown(report)
     )
+
+
+def test_pcie_experts_goes_to_the_rows_with_experts_in_host_ram() -> None:
+    """`tandem bench --pcie-experts K --matrix cpu-moe,n-cpu-moe=half,all`: tandem's worker gets the flag on the
+    rows whose experts are in host RAM under a GPU, not on the all-GPU row (where it would be an error) nor on a
+    CPU-only one; llama.cpp's worker never gets it."""
+    import tandem.bench.compare as compare
+    from tandem.bench.spec import BenchSettings
+
+    settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=1, n_ctx=64, n_batch=8, pcie_experts=3)
+    placements = [*parse_matrix("cpu-moe,n-cpu-moe=half,all", Placement(device="cuda"), n_layers=4), Placement()]
+    peer = {"n_gpu_layers": -1, "overrides": []}
+    comparison = compare.Comparison(settings, placements, llama=dict.fromkeys(range(4), peer))
+    flags = [comparison._cmd("tandem", i, 1) for i in range(4)]
+    assert [cmd is not None and "--pcie-experts" in cmd for cmd in flags] == [True, True, False, False]
+    assert all(c is not None and c[c.index("--pcie-experts") + 1] == "3" for c in flags[:2])
+    assert not any("--pcie-experts" in (comparison._cmd("llamacpp", i, 1) or []) for i in range(4))

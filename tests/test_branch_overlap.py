@@ -70,3 +70,44 @@ def test_gpu_branch_is_queued_while_the_experts_compute(fixture: str, request: p
             )
         torch.testing.assert_close(recorded(x), ffn(x), rtol=0, atol=0)
         assert events == ["experts start", "gpu branch", "experts result"]
+
+
+def test_pcie_experts_split_each_tokens_experts(tiny_qwen3moe_gguf: tuple[object, object]) -> None:
+    """--pcie-experts K: OffloadedExperts sends each token's first A - K selected experts to the host op and queues
+    the last K on the GPU reader between the host op's start and its result, and adds the two. Here both sides
+    are the layer's CPU experts (the host op run in place), so the sum must equal all A experts at once, up to
+    float32 rounding of the split sum; that the GPU reader reads host blocks exactly: tests/test_gpu_offload.py."""
+    from tandem.runtime.offload import OffloadedExperts
+
+    with tandem.LLM(tiny_qwen3moe_gguf[1], device="cpu", cache_type="f32", threads=1, n_ctx=64) as llm:
+        moe = next(b.ffn for b in llm.model.blocks if hasattr(b.ffn, "experts"))
+        events: list[str] = []
+        seen: dict[str, torch.Tensor] = {}
+
+        def pcie(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+            events.append("pcie queued")
+            seen["pcie"] = routing.ids
+            return moe.experts(x, Routing(routing.ids.contiguous(), routing.weights.contiguous()))  # ggml's need
+
+        offloaded = OffloadedExperts(on_cpu=moe.experts, streamed=None, stage_vectors=None, min_batch=32,
+                                     pcie=pcie, pcie_slots=1)  # fmt: skip
+
+        def host_start(inputs: list[torch.Tensor], shape: object, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+            events.append("host start")
+            inputs = [i.contiguous() for i in inputs]  # as the host op's buffers hold them
+            seen["host"] = inputs[1]
+            out = moe.experts(inputs[0], Routing(ids=inputs[1], weights=inputs[2])).to(dtype)
+
+            def result() -> torch.Tensor:
+                events.append("host result")
+                return out
+
+            return result
+
+        offloaded.host.start = host_start  # type: ignore[method-assign]  # the host op, run in place
+        x = torch.randn(3, llm.config.hidden, generator=torch.Generator().manual_seed(0))
+        routing = moe.router(x)
+        assert routing.ids.shape[1] == 2
+        torch.testing.assert_close(offloaded(x, routing), moe.experts(x, routing), rtol=1e-6, atol=1e-6)
+        assert events == ["host start", "pcie queued", "host result"]
+        assert torch.equal(seen["host"], routing.ids[:, :1].int()) and torch.equal(seen["pcie"], routing.ids[:, 1:])

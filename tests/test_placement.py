@@ -181,3 +181,32 @@ def test_cli_takes_llama_cpp_ngl(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: 
     assert main(["inspect", "-m", path, "--device", "cuda", "--n-gpu-layers", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: -ngl 1: tandem keeps all 2 layers on one device")
+
+
+def test_pcie_experts_is_checked_before_loading(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--pcie-experts K (the GPU reads K of each token's host-RAM experts over PCIe): every plan it cannot run is a
+    one-line error naming the flag, before a weight is read; a plan it can run passes. The tiny model selects 2 of
+    4 experts per token; its F32 experts have no GPU kernel, its Q8_0 conversion has."""
+    from tandem.convert import convert_hf
+    from tandem.runtime.devices import check_pcie_experts
+
+    q8 = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "tiny-q8_0.gguf", "q8_0")
+    f, plan = _plan(q8, device="cuda", cpu_moe=True)
+    check_pcie_experts(plan, f, 2, 0)  # off
+    check_pcie_experts(plan, f, 2, 1)  # runs: 1 on the GPU, 1 on the CPU
+    cases = [
+        (_plan(q8, device="cuda", cpu_moe=True), 2, "must be below|leave the CPU some"),
+        (_plan(q8, device="cuda", cpu_moe=True), -1, "must be 0"),
+        (_plan(q8, device="cpu"), 1, "--device is cpu"),
+        (_plan(q8, device="cuda"), 1, "no routed experts are in host RAM; add --cpu-moe"),
+        (_plan(tiny_qwen3moe_gguf[1], device="cuda", cpu_moe=True), 1, r"experts \(F32\) have no GPU kernel"),
+    ]
+    for (f, plan), k, message in cases:
+        with pytest.raises(tandem.TandemError, match=message) as e:
+            check_pcie_experts(plan, f, 2, k)
+        assert str(e.value).startswith(f"--pcie-experts {k}: ") and "\n" not in str(e.value)
+    assert main(["run", "-m", str(q8), "-p", "hi", "-n", "2", "--device", "cpu", "--pcie-experts", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --pcie-experts 1: the GPU reads the experts, and --device is cpu; drop the flag"]

@@ -20,7 +20,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
-from tandem.runtime.devices import DTYPES, check_executable, resolve_device
+from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts, resolve_device
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.kv_cache import CACHE_DTYPES
@@ -99,6 +99,7 @@ class LLM:
         cuda_graphs: bool = True,
         progress: Callable[[int, int], None] | None = None,
         repack_experts: bool = False,
+        pcie_experts: int = 0,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
@@ -111,7 +112,9 @@ class LLM:
         step as CUDA graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts:
         copy the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
         CPU (host RAM equal to those stacks; no decode gain measured on the GPU machine; llama.cpp leaves
-        `--cpu-moe` experts in the file).
+        `--cpu-moe` experts in the file). pcie_experts: K > 0 has the GPU compute the last K of each decode token's
+        selected experts kept in host RAM, reading their blocks there over PCIe (no copy, no VRAM) while the CPU
+        computes the others (runtime/offload.py); 0, the default, leaves them all to the CPU, as llama.cpp does.
         """
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
@@ -136,14 +139,16 @@ class LLM:
         shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
         self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
         check_executable(self.plan)
+        check_pcie_experts(self.plan, self.file, self.config.moe.n_active if self.config.moe else 0, pcie_experts)
         self.threads = resolve_threads(threads)
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)
         initialise_vector_math()
         on_tensor = _progress(self.plan, progress)
         loader = WeightLoader(
-            self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts
-        )
+            self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts,
+            pcie_experts=pcie_experts,
+        )  # fmt: skip
         self.model = DecoderModel(self.config, loader, arch.build_block)
         self.placed: dict[str, str] = loader.placed()
         self.notices: list[str] = loader.notices()

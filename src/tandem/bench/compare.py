@@ -272,9 +272,11 @@ class Comparison:
             common += ["--deadline", f"{deadline:.3f}"]
         if engine == "tandem":
             dtype = ["--dtype", s.dtype] if s.dtype else []  # tandem's GPU compute type; llama.cpp has its own
-            repack = ["--repack-experts"] if s.repack_experts else []
+            own = ["--repack-experts"] if s.repack_experts else []  # tandem's own options
+            if s.pcie_experts and self.placements[i].cpu_experts_on_gpu_model:
+                own += ["--pcie-experts", str(s.pcie_experts)]
             worker = [sys.executable, "-m", "tandem.bench.worker"]
-            return [*worker, "-m", s.model, *self.placements[i].argv(), *dtype, *repack, *common]
+            return [*worker, "-m", s.model, *self.placements[i].argv(), *dtype, *own, *common]
         params = self.llama[i]
         if isinstance(params, str):
             return None
@@ -426,6 +428,7 @@ def settings_from_args(args: Any) -> BenchSettings:
         budget_s=args.budget,
         dtype=getattr(args, "dtype", None),
         repack_experts=getattr(args, "repack_experts", False),
+        pcie_experts=getattr(args, "pcie_experts", 0),
         process_reps=getattr(args, "process_reps", None),
     )
     settings.validate()

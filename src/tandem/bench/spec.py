@@ -43,6 +43,12 @@ class Placement:
             n_gpu_layers=self.n_gpu_layers,
         )
 
+    @property
+    def cpu_experts_on_gpu_model(self) -> bool:
+        """Whether --cpu-moe or --n-cpu-moe keeps experts in host RAM while a GPU computes the rest (the rows
+        that --pcie-experts applies to)."""
+        return self.device != "cpu" and (self.cpu_moe or self.n_cpu_moe > 0)
+
     def argv(self) -> list[str]:
         """The flags that give this placement to `tandem` and to the tandem worker."""
         out = ["--device", self.device]
@@ -150,6 +156,7 @@ class BenchSettings:
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
     process_reps: int | None = None  # repetitions per worker process (None: the reps in two processes per engine)
     repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
+    pcie_experts: int = 0  # tandem's --pcie-experts (llama.cpp computes every --cpu-moe expert on the CPU in decode)
 
     def process_plan(self, n_engines: int) -> list[int]:
         """Repetitions of each of a row's worker processes, in order (compare.py's schedule): `process_reps` each

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tp=args.tp,
         n_gpu_layers=args.n_gpu_layers,
         repack_experts=args.repack_experts,
+        pcie_experts=args.pcie_experts,
         **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
     )
     on_gpu = llm.plan.compute_device != "cpu"

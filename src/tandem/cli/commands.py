@@ -36,6 +36,7 @@ def _load(args: argparse.Namespace) -> LLM:
             cache_type=args.cache_type,
             n_batch=args.batch_size,
             repack_experts=args.repack_experts,
+            pcie_experts=args.pcie_experts,
             **_placement(args),
         )
     print(_placement_line(llm), file=sys.stderr)

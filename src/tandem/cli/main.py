@@ -26,6 +26,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="copy the Q4_K experts computed on the CPU into ggml's repacked layout (host RAM equal to those "
         "stacks; no decode gain measured on the GPU machine)",
     )
+    p.add_argument(
+        "--pcie-experts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="decode: the GPU computes K of each token's experts kept in host RAM, reading their blocks there "
+        "over PCIe (no copy, no VRAM), while the CPU computes the rest (default 0: the CPU computes them all)",
+    )
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:

@@ -2,11 +2,12 @@
 
 A copy from pageable memory goes through the driver's own bounce buffers and blocks the host; from
 page-locked memory it is a DMA that runs at PCIe speed, asynchronously, and may be captured in a CUDA
-graph. Two uses:
+graph. Three uses:
 - the small exchange buffers of a host op (hidden states to the CPU experts and back): torch's pinned
   tensors, allocated once and kept by their op (torch allows captured copies only from those);
 - the memory-mapped GGUF bytes of CPU-resident experts, registered in place (no copy, no VRAM), so that
-  prefill can stream them to the GPU at full PCIe speed.
+  prefill can stream them to the GPU at full PCIe speed;
+- the same registered blocks read by GPU kernels in place (`device_view`, `--pcie-experts`).
 
 The registration goes through the driver API (cuMemHostRegister): a refusal returns an error code there
 and leaves no sticky error in the runtime that torch's next CUDA call would report as its own.
@@ -31,6 +32,7 @@ def _driver() -> ctypes.CDLL:
     lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     return lib
 
 
@@ -75,6 +77,28 @@ def register_host(
         lib.cuGetErrorName(err, ctypes.byref(name))
         errors.append(f"flags {flags}: {(name.value or b'?').decode()}")
     return "; ".join(errors)
+
+
+class _DeviceAddress:
+    """A device address range as torch reads it (__cuda_array_interface__); holds the host memory's owner."""
+
+    def __init__(self, ptr: int, n_bytes: int, owner: object) -> None:
+        self.__cuda_array_interface__ = {"shape": (n_bytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        self.owner = owner
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page-locked host bytes (a registered range or pinned memory) as a CUDA uint8 tensor on `device`: kernels
+    read them over PCIe, where they are; nothing is copied and no VRAM is taken. The view holds `host`."""
+    lib = _driver()
+    ptr = ctypes.c_uint64()
+    with torch.cuda.device(device):
+        err = lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(host.data_ptr()), 0)
+    if err != 0:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed: {(name.value or b'?').decode()}")
+    return torch.as_tensor(_DeviceAddress(ptr.value, host.numel() * host.element_size(), host), device=device)
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.errors import PlacementError
-from tandem.placement import PlacementPlan
+from tandem.errors import PlacementError, TandemError
+from tandem.gguf import GGUFFile
+from tandem.placement import PlacementPlan, cpu_experts_by_layer, streamable
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -50,3 +51,32 @@ def check_executable(plan: PlacementPlan) -> None:
         import triton  # noqa: F401
     except ImportError:
         raise PlacementError(f"--device {req.device}: the GPU kernels need triton; pip install triton") from None
+
+
+def check_pcie_experts(plan: PlacementPlan, f: GGUFFile, n_active: int, k: int) -> None:
+    """Raise a one-line TandemError, naming the flag, unless --pcie-experts K can run with this plan: a GPU
+    computes, some experts are in host RAM, their types have GPU kernels and K leaves the CPU some of each
+    token's `n_active` experts."""
+    if k == 0:
+        return
+    if k < 0:
+        raise TandemError(f"--pcie-experts {k}: must be 0 (off) or more")
+    if plan.compute_device == "cpu":
+        raise TandemError(f"--pcie-experts {k}: the GPU reads the experts, and --device is cpu; drop the flag")
+    layers = cpu_experts_by_layer(f, plan.devices)
+    if not layers:
+        raise TandemError(
+            f"--pcie-experts {k}: no routed experts are in host RAM; add --cpu-moe, --n-cpu-moe N or -ot"
+        )
+    if k >= n_active:
+        raise TandemError(
+            f"--pcie-experts {k}: this model selects {n_active} experts per token; leave the CPU some "
+            f"(at most {n_active - 1})"
+        )
+    for layer, infos in sorted(layers.items()):
+        if not streamable(infos):
+            kinds = sorted({i.qtype.name for i in infos})
+            raise TandemError(
+                f"--pcie-experts {k}: layer {layer}'s experts ({', '.join(kinds)}) have no GPU kernel; "
+                "run without --pcie-experts"
+            )

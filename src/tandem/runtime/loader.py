@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.errors import PlacementError, UnsupportedModelError
+from tandem.errors import PlacementError, TandemError, UnsupportedModelError
 from tandem.gguf import GGUFFile, TensorInfo
 from tandem.layers.linear import Experts, GGMLExperts, GGMLLinear, Linear
 from tandem.layers.moe import RoutedExperts
@@ -78,6 +78,7 @@ class WeightLoader:
         dtype: torch.dtype = torch.float32,
         on_tensor: Callable[[TensorInfo], None] | None = None,
         repack_experts: bool = False,
+        pcie_experts: int = 0,
     ) -> None:
         self.file = f
         self.plan = plan
@@ -97,6 +98,8 @@ class WeightLoader:
         cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
         self._repacks = ExpertRepacks(cpu_stacks, repack_experts, kernels.n_threads)
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
+        self.pcie_experts = pcie_experts  # of each token's CPU experts in decode, read by the GPU (--pcie-experts)
+        self._pcie_layers = 0
         self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
             self._start_streaming()
@@ -124,8 +127,15 @@ class WeightLoader:
         return {name: str(device) for name, device in self._placed.items()}
 
     def notices(self) -> list[str]:
-        """One line per quant type that has no GPU kernel and was dequantized at load, and one per fallback."""
-        repacked = [self._repacks.notice] if self._repacks.notice else []
+        """One line per quant type that has no GPU kernel and was dequantized at load, one per fallback, and one per
+        option of tandem's own that changed how experts compute (--repack-experts, --pcie-experts)."""
+        own = [self._repacks.notice] if self._repacks.notice else []  # what tandem's own options did
+        if self._pcie_layers:
+            own.append(
+                f"--pcie-experts {self.pcie_experts}: in decode, the GPU computes {self.pcie_experts} of each token's "
+                f"experts in host RAM ({self._pcie_layers} layers), reading their blocks there over PCIe (no copy, "
+                "no VRAM); the CPU computes the others"
+            )
         return (
             [
                 f"{qtype}: no GPU kernel yet; {n} tensor(s) dequantized to {str(self.dtype).removeprefix('torch.')} "
@@ -133,7 +143,7 @@ class WeightLoader:
                 for qtype, n in sorted(self._dequantized.items())
             ]
             + self._notices
-            + repacked
+            + own
         )
 
     def cpu_experts(self, info: TensorInfo) -> GGMLExperts:
@@ -279,9 +289,19 @@ class WeightLoader:
                     view = stream.vectors(offsets[info.name] + info.n_bytes)[offsets[info.name] :]
                     view.copy_(_as_torch_bytes(info.data), non_blocking=True)
 
+        pcie = None
+        if self.pcie_experts:
+            if stream is None or stream.source_pin is None or not streamable(infos):
+                raise TandemError(  # check_pcie_experts vetted the types; this is the registration
+                    f"--pcie-experts: {self.file.path.name} could not be page-locked for the GPU to read "
+                    f"({'; '.join(self._notices) or 'no CPU experts to stream'}); run without --pcie-experts"
+                )
+            pcie = build(_PCIeSource(self))
+            self._pcie_layers += 1
         offloaded = OffloadedExperts(
-            on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH
-        )
+            on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH,
+            pcie=pcie, pcie_slots=self.pcie_experts,
+        )  # fmt: skip
         self.host_boundaries.append(offloaded.host)
         return offloaded
 
@@ -312,6 +332,30 @@ class _HostSource:
         info = self.loader.info(name)
         self.loader._record(info, info.data)
         return dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)
+
+
+class _PCIeSource:
+    """Experts and vectors read by the GPU in place, over PCIe, from the page-locked file (--pcie-experts):
+    device views of host memory, so nothing is copied and no VRAM is taken (the plan's CPU tensors stay there)."""
+
+    def __init__(self, loader: WeightLoader) -> None:
+        self.loader = loader
+
+    def _view(self, info: TensorInfo) -> torch.Tensor:
+        from tandem.cuda.host_memory import device_view
+
+        return device_view(_as_torch_bytes(info.data), self.loader.compute_device)
+
+    def experts(self, name: str) -> Experts:
+        from tandem.cuda.qlinear import GPUQuantWeight
+        from tandem.cuda.weights import GPUQuantExperts
+
+        info = self.loader.info(name)
+        return GPUQuantExperts(GPUQuantWeight(self._view(info), info.qtype, info.shape), self.loader.ieee)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info = self.loader.info(name)
+        return self._view(info).view(torch.float32).view(info.shape)  # F32 (streamable)
 
 
 class _StreamedSource:
