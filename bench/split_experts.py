@@ -7,9 +7,12 @@ blocks are page-locked in place (the prefill streams them), so a GPU kernel can 
 host RAM over PCIe, with no copy in VRAM. This times, per layer of the model's CPU experts (one token, a fresh
 random route per layer):
 - ggml alone on all the active experts, and on fewer (what the CPU keeps when the GPU takes k);
-- the GPU alone on k experts read from host memory (the same Triton kernels as experts in VRAM);
+- the GPU alone on k experts read from host memory (the experts `--pcie-experts` builds: the same Triton kernels as
+  experts in VRAM, over device views of the page-locked file);
 - both at once: the GPU on k experts while ggml computes the others (they share host memory's bandwidth).
-The last line says what one layer of experts would cost split that way, against ggml alone.
+The last line says what one layer of experts would cost split that way, against ggml alone. The figures in
+docs/PERFORMANCE.md (session 11) came from this script before it used the loader's `--pcie-experts` experts (its
+own copy of their products then; the same kernels).
 """
 
 from __future__ import annotations
@@ -21,31 +24,21 @@ import time
 import torch
 
 import tandem
-from tandem.cuda.host_memory import device_view
-from tandem.cuda.qlinear import GPUQuantWeight, qmatmul_id
+from tandem.layers.moe import RoutedExperts, Routing
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.runtime.offload import OffloadedExperts
 
 
-def _layers(llm: tandem.LLM) -> list[tuple[CPUKernels, ExpertFFN, list[GPUQuantWeight]]]:
-    """Per layer with CPU experts: ggml's kernels and FFN, and the gate, up, down stacks as GPU weights over
-    host memory."""
+def _layers(llm: tandem.LLM) -> list[tuple[CPUKernels, ExpertFFN, RoutedExperts]]:
+    """Per layer with CPU experts: ggml's kernels and FFN, and the same experts as the GPU reads them over PCIe
+    (built by the loader for --pcie-experts)."""
     found = []
     for block in llm.model.blocks:
         experts = getattr(block.ffn, "experts", None)
-        on_cpu, streamed = getattr(experts, "on_cpu", None), getattr(experts, "streamed", None)
-        if on_cpu is None or streamed is None or on_cpu._graph is None:
-            continue
-        kernels, ffn = on_cpu._graph
-        gpu = [GPUQuantWeight(device_view(s.weight.data, torch.device("cuda")), s.weight.qtype, s.weight.shape)
-               for s in (streamed.gate, streamed.up, streamed.down)]  # fmt: skip
-        found.append((kernels, ffn, gpu))
+        if isinstance(experts, OffloadedExperts) and experts.pcie is not None and experts.on_cpu._graph is not None:
+            kernels, ffn = experts.on_cpu._graph  # type: ignore[attr-defined]
+            found.append((kernels, ffn, experts.pcie))
     return found
-
-
-def _gpu_experts(x: torch.Tensor, w: list[GPUQuantWeight], ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    gate, up = qmatmul_id(x, w[0], ids), qmatmul_id(x, w[1], ids)
-    out = qmatmul_id(torch.nn.functional.silu(gate) * up, w[2], ids)
-    return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
 def main() -> None:
@@ -54,36 +47,16 @@ def main() -> None:
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--gpu-experts", default="1,2,3,4")
     p.add_argument("--tokens", type=int, default=12)
-    p.add_argument("--devicemap", action="store_true", help="register the file with CU_MEMHOSTREGISTER_DEVICEMAP")
     a = p.parse_args()
-    if a.devicemap:
-        from tandem.cuda import host_memory
-
-        host_memory._REGISTER_PORTABLE |= 0x02
-    llm = tandem.LLM(a.model, device="cuda", cpu_moe=True, threads=a.threads)
+    llm = tandem.LLM(a.model, device="cuda", cpu_moe=True, threads=a.threads, pcie_experts=1)
     layers = _layers(llm)
     if not layers:
         raise SystemExit("no CPU experts with a GPU kernel in this model")
     kernels, ffn0, _ = layers[0]
     n_experts, d, _ = (int(n) for n in ffn0.down.shape)
     k_in = int(ffn0.stacks[0].shape[-1])
-    top_k = llm.model.cfg.moe.n_active if getattr(llm.model.cfg, "moe", None) else 8
+    top_k = llm.config.moe.n_active if llm.config.moe else 8
     print(f"{len(layers)} layers of CPU experts, {n_experts} experts, top-{top_k}, {a.threads} threads", flush=True)
-    stack = layers[0][2][0].data
-    for reader in ("torch sum", "_qmv, 1 expert"):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        if reader == "torch sum":
-            n_bytes = stack.numel() // 4 * 4
-            stack[:n_bytes].view(torch.int32).sum()
-        else:
-            n_bytes = layers[0][2][0].expert_bytes
-            qmatmul_id(torch.randn(1, k_in, device="cuda", dtype=torch.bfloat16), layers[0][2][0],
-                       torch.zeros(1, 1, dtype=torch.int32, device="cuda"))  # fmt: skip
-        torch.cuda.synchronize()
-        s = time.perf_counter() - start
-        print(f"GPU reading host memory, {reader}: {n_bytes >> 20} MiB in {s * 1e3:.1f} ms "
-              f"({n_bytes / s / 1e9:.2f} GB/s, first call)", flush=True)  # fmt: skip
 
     buffers: list[torch.Tensor] = []  # the prepared ggml calls' buffers, which must outlive them
 
@@ -102,12 +75,12 @@ def main() -> None:
         gw = torch.full((1, n), 1.0 / top_k, device="cuda", dtype=torch.bfloat16)
         buffers.append(gw)
         graphs = []
-        for i, (_, _, w) in enumerate(layers):
-            _gpu_experts(xg, w, ids[i], gw)  # compiled, tuned
+        for i, (_, _, over_pcie) in enumerate(layers):
+            over_pcie(xg, Routing(ids=ids[i], weights=gw))  # compiled, tuned
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                _gpu_experts(xg, w, ids[i], gw)
+                over_pcie(xg, Routing(ids=ids[i], weights=gw))
             graphs.append(g)
         return graphs, ids
 
