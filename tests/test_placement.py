@@ -210,3 +210,8 @@ def test_pcie_experts_is_checked_before_loading(
     assert main(["run", "-m", str(q8), "-p", "hi", "-n", "2", "--device", "cpu", "--pcie-experts", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --pcie-experts 1: the GPU reads the experts, and --device is cpu; drop the flag"]
+    # inspect, a dry run, checks it too and says what the GPU would compute
+    assert main(["inspect", "-m", str(q8), "--device", "cuda", "--cpu-moe", "--pcie-experts", "1"]) == 0
+    assert "the GPU computes 1 of each token's 2 experts in host RAM" in capsys.readouterr().out
+    assert main(["inspect", "-m", str(q8), "--device", "cuda", "--pcie-experts", "1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --pcie-experts 1: no routed experts are in host RAM")

@@ -16,7 +16,7 @@ from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
-from tandem.runtime.devices import resolve_device
+from tandem.runtime.devices import check_pcie_experts, resolve_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.tokenizer.chat_template import parse_template_variables, read_template_file
 
@@ -187,6 +187,7 @@ def inspect(args: argparse.Namespace) -> int:
         n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize
     )
     plan = plan_placement(f, cfg, request, shape)
+    check_pcie_experts(plan, f, cfg.moe.n_active if cfg.moe else 0, args.pcie_experts)
     mix: Counter[str] = Counter()
     mix_bytes: Counter[str] = Counter()
     for t in f.tensors.values():
@@ -209,6 +210,7 @@ def inspect(args: argparse.Namespace) -> int:
         "experts": None if cfg.moe is None else {"count": cfg.moe.n_experts, "active": cfg.moe.n_active},
         "quant_mix": {k: {"tensors": mix[k], "bytes": mix_bytes[k]} for k in sorted(mix)},
         "plan": {k: v for k, v in plan.to_dict().items() if k != "tensors"},
+        "pcie_experts": args.pcie_experts,
         "tensors": [
             {
                 "name": t.name,
@@ -275,6 +277,11 @@ def _print_inspect(summary: dict, show_tensors: bool) -> None:
     if plan["cpu_expert_layers"]:
         layers = plan["cpu_expert_layers"]
         console.print(f"experts on the CPU: {len(layers)} layers ({layers[0]}..{layers[-1]})")
+    if summary["pcie_experts"]:
+        console.print(
+            f"decode: the GPU computes {summary['pcie_experts']} of each token's {summary['experts']['active']} "
+            "experts in host RAM, reading them there over PCIe (--pcie-experts; no VRAM)"
+        )
     for note in plan["notes"]:
         console.print(note)
     if show_tensors:

@@ -26,6 +26,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="copy the Q4_K experts computed on the CPU into ggml's repacked layout (host RAM equal to those "
         "stacks; no decode gain measured on the GPU machine)",
     )
+    _add_pcie_flag(p)
+
+
+def _add_pcie_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pcie-experts",
         type=int,
@@ -164,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch for the plan (default 512)")
     inspect.add_argument("--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"])
     _add_placement_flags(inspect)
+    _add_pcie_flag(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.add_argument("--tensors", action="store_true", help="list every tensor")
 
