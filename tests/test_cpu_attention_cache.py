@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.attention import AttentionShape, _attend_row_ggml
+from tandem.layers.attention import AttentionShape, _attend_ggml_nodes
 from tandem.runtime.kv_cache import LayerKV
 
 SHAPE = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=64, value_dim=64, scale=0.125, sliding_window=None)
@@ -18,8 +18,9 @@ def _step(cache: LayerKV, position: int, g: torch.Generator) -> tuple[torch.Tens
     k, v = torch.randn(1, 2, 64, generator=g), torch.randn(1, 2, 64, generator=g)
     keys, values, first = cache.store(position, k, v)
     q = torch.randn(1, 4, 64, generator=g)
-    kept = _attend_row_ggml(q, cache, keys.shape[0], position - first, SHAPE)
-    fresh = _attend_row_ggml(q, LayerKV(k=keys, v=values), keys.shape[0], position - first, SHAPE)  # copied anew
+    allowed = (torch.arange(keys.shape[0]).unsqueeze(0) <= position - first).numpy()  # [1, N]
+    kept = _attend_ggml_nodes(q, cache, allowed, SHAPE)
+    fresh = _attend_ggml_nodes(q, LayerKV(k=keys, v=values), allowed, SHAPE)  # copied anew
     return kept, fresh
 
 
@@ -37,14 +38,14 @@ def test_kept_float32_rows_give_the_per_step_values() -> None:
 def test_attention_threads_leave_the_values() -> None:
     """From ATTENTION_THREADED_FROM positions ggml's attention runs on torch's threads: each output is one
     thread's sum, so 1 and 2 threads agree bit for bit."""
-    from tandem.quant.ggml_ops import ggml_attention_row
+    from tandem.quant.ggml_ops import ggml_attention
 
     g = torch.Generator().manual_seed(1)
     n = 1536
-    q = torch.randn(4, 64, generator=g).half().float().numpy()
+    q = torch.randn(4, 1, 64, generator=g).half().float().numpy()
     k = torch.randn(n, 2, 64, generator=g).half().float().numpy()
     vt = torch.randn(2, 64, n, generator=g).half().float().numpy()
-    mask = torch.zeros(n).numpy()
-    mask[1500:] = float("-inf")
-    one, two = (ggml_attention_row(q, k, vt, mask, 0.125, threads) for threads in (1, 2))
+    mask = torch.zeros(1, n).numpy()
+    mask[:, 1500:] = float("-inf")
+    one, two = (ggml_attention(q, k, vt, mask, 0.125, threads) for threads in (1, 2))
     assert (one == two).all()

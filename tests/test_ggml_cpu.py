@@ -375,19 +375,21 @@ def test_fused_geglu_matches_two_products_and_the_gelu_table(kernels: CPUKernels
         kernels.geglu(torch.randn(gtiled.TILED_MIN_ROWS, 512), *pairs[0])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 40])  # decoding; prefill rows (llama.cpp: tinyBLAS's 16 lanes)
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("scale", [0.0625, 0.1])  # scaled queries (a power of two) or scaled scores
-def test_decode_attention_graph_matches_the_emulation(window: int | None, scale: float) -> None:
-    """One query row over an f16 cache: ggml's attention nodes (`ggml_attention_row`) give the lane-ordered
-    emulation's results bit for bit, with grouped KV heads, a sliding window and ragged key counts."""
+def test_attention_graph_matches_the_emulation(rows: int, window: int | None, scale: float) -> None:
+    """Query rows over an f16 cache: ggml's attention nodes (`ggml_attention`) give the lane-ordered emulation's
+    results bit for bit, with grouped KV heads, a sliding window and ragged key counts, for one row (the
+    decode step) and for several (prefill: the last rows of the keys' positions)."""
     from tandem.layers.attention import AttentionShape, _attend_ggml, attend
 
     shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=128, value_dim=64, scale=scale, sliding_window=window)
     torch.manual_seed(14)
-    for n_keys in (1, 13, 64, 100):
-        q = torch.randn(1, 4, 128) * 3
+    for n_keys in (rows, rows + 13, 64 + rows, 100 + rows):
+        q = torch.randn(rows, 4, 128) * 3
         keys, values = torch.randn(n_keys, 2, 128).half(), torch.randn(n_keys, 2, 64).half()
-        position = torch.tensor([n_keys - 1])
+        position = torch.arange(n_keys - rows, n_keys)
         distance = position.unsqueeze(1) - torch.arange(n_keys).unsqueeze(0)
         allowed = (distance >= 0) & (distance < (window or n_keys + 1))
         emulated = _attend_ggml(q, keys, values, allowed, shape, None)

@@ -16,9 +16,9 @@ attention (ggml-cpu: `mul_mat` through llamafile's tinyBLAS, `soft_max_ext`, AVX
   exponentials times the float 1/sum;
 - P.V: the probabilities are converted to f16 and summed over positions as in K.Q.
 
-Decoding (one query row, no softcap, no sinks) runs these as ggml's own nodes on the CPU
-(`ggml_attention_row`: `mul_mat`, `soft_max_ext`, `mul_mat`, the same kernels as llama.cpp's graph); the
-other cases emulate them in numpy/torch below.
+Without softcap or sinks these run as ggml's own nodes on the CPU, for one query row (decoding) or many
+(prefill): `ggml_attention` (`mul_mat`, `soft_max_ext`, `mul_mat`, the same kernels as llama.cpp's graph);
+softcap and sinks emulate them in numpy/torch below (`_attend_ggml`).
 
 These are last-place differences, but the attention output feeds the 8-bit quantization of the output
 projection's activations, where one unit in the last place can move a rounding by a whole step: matching
@@ -40,7 +40,7 @@ from tandem.cuda.streams import side_by_side
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
-from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention_row
+from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
 from tandem.runtime.kv_cache import LayerKV
 
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
@@ -145,10 +145,12 @@ def attend(
         from tandem.cuda.decode_attention import decode_attention
 
         return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
-    if keys.dtype is torch.float16 and not q.is_cuda and q.shape[0] == 1 and s.softcap is None and sinks is None:
-        kept = cache is not None and cache.window is None and first == 0
-        kv = cache if kept else LayerKV(k=keys, v=values)  # else float32 copies made for this step alone
-        return _attend_row_ggml(q, kv, keys.shape[0], int(positions[0]) - first, s)
+    cpu_f16 = keys.dtype is torch.float16 and not q.is_cuda and s.softcap is None and sinks is None
+    if cpu_f16 and q.shape[0] == 1:  # a CPU decode step: its row of the mask straight away
+        position, n_keys = int(positions[0]) - first, keys.shape[0]
+        seen = np.zeros((1, n_keys), dtype=bool)
+        seen[0, max(0, position - s.sliding_window + 1) if s.sliding_window else 0 : position + 1] = True
+        return _attend_ggml_nodes(q, _float32_source(keys, values, first, cache), seen, s)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
@@ -164,6 +166,8 @@ def attend(
     if q.is_cuda and s.softcap is None and sinks is None:  # one fused kernel instead of a dozen
         return _sdpa(q, keys, values, allowed, s, group)
     if keys.dtype is torch.float16 and not q.is_cuda:
+        if cpu_f16 and _nodes_round_as_llamacpp(q.shape[0], s):
+            return _attend_ggml_nodes(q, _float32_source(keys, values, first, cache), allowed.cpu().numpy(), s)
         return _attend_ggml(q, keys, values, allowed, s, sinks)
     qh = q.float().transpose(0, 1)  # [H, T, D]
     kh = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
@@ -313,26 +317,51 @@ def _query_scaling(scale: float) -> tuple[bool, np.float32]:
     return scale_queries, np.float32(1.0 if scale_queries else scale)
 
 
-def _attend_row_ggml(q: torch.Tensor, kv: LayerKV, n_keys: int, position: int, s: AttentionShape) -> torch.Tensor:
-    """Decoding with an f16 cache on the CPU (one query row [1, H, D] at `position`, no softcap, no sinks):
-    ggml's own attention nodes, which round as `_attend_ggml` does, in a fraction of its time -> [1, H, Dv].
+def _float32_source(keys: torch.Tensor, values: torch.Tensor, first: int, cache: LayerKV | None) -> LayerKV:
+    """Where ggml's attention reads float32 keys and values: the copies the cache keeps when keys/values are
+    its buffer from position 0 (LayerKV.float32_rows), else copies made for this call alone."""
+    if cache is not None and cache.window is None and first == 0:
+        return cache
+    return LayerKV(k=keys, v=values)
+
+
+def _nodes_round_as_llamacpp(t: int, s: AttentionShape) -> bool:
+    """Whether ggml's float32 attention nodes sum as llama.cpp's f16 ones for t query rows of this shape: always
+    for one row; for several, where llama.cpp's products go through tinyBLAS (the summed dimension a multiple of
+    16, the other side's rows a multiple of 4). Elsewhere llama.cpp's several-row products use `ggml_vec_dot_f16`,
+    whose tail sums in double where the float32 one sums in float (`_attend_ggml` emulates it: 4 of 12 cases with
+    head size 40 or 72 differed, none of 648 cases of head sizes 64-256, 2026-12-01)."""
+    return t == 1 or (s.head_dim % _LANES == 0 and s.value_dim % 4 == 0)
+
+
+def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: AttentionShape) -> torch.Tensor:
+    """With an f16 cache on the CPU (no softcap, no sinks): ggml's own attention nodes over q [T, H, D], which
+    round as `_attend_ggml` does, in a fraction of its time -> [T, H, Dv]. `allowed` [T, N]: which of the
+    first N positions of `kv` each query row sees.
 
     Keys and values are padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view: the
     padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail. ggml reads
-    the first n_keys positions of `kv` in float32, from the copies it keeps (LayerKV.float32_rows)."""
+    the first N positions of `kv` in float32, from the copies it keeps (LayerKV.float32_rows). Rows go through
+    in chunks that bound the scores' memory."""
+    t, n_keys = allowed.shape
     padded = -(-n_keys // _STEP) * _STEP
     scale_queries, kq_scale = _query_scaling(s.scale)
-    q32 = q.detach().float().cpu().numpy()[0]
+    q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)
+    q16 = q32.astype(np.float16).astype(np.float32).transpose(1, 0, 2)  # [H, T, D]
     k, vt = kv.float32_rows(n_keys, padded)  # values transposed: the sums over positions run along rows
-    mask = np.full(padded, -np.inf, dtype=np.float32)
-    first = 0 if s.sliding_window is None else max(0, position - s.sliding_window + 1)
-    mask[first : min(position + 1, n_keys)] = 0.0
-    q16 = q32.astype(np.float16).astype(np.float32)
-    threads = torch.get_num_threads() if padded >= ATTENTION_THREADED_FROM else 1
-    out = ggml_attention_row(q16, k.numpy(), vt.numpy(), mask, float(kq_scale), threads)
-    return torch.from_numpy(out).unsqueeze(0).to(device=q.device, dtype=q.dtype)
+    mask = np.full((t, padded), -np.inf, dtype=np.float32)
+    mask[:, :n_keys][allowed] = 0.0
+    threads = torch.get_num_threads() if padded * t >= ATTENTION_THREADED_FROM else 1
+    rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * padded))
+    outs = [
+        ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k.numpy(), vt.numpy(),
+                       mask[r0 : r0 + rows], float(kq_scale), threads)  # fmt: skip
+        for r0 in range(0, t, rows)
+    ]
+    out = torch.from_numpy(np.concatenate(outs, axis=1)).transpose(0, 1)  # [T, H, Dv]
+    return out.to(device=q.device, dtype=q.dtype)
 
 
 def _attend_ggml(

@@ -1,6 +1,6 @@
 """ggml's own non-product ops on its CPU backend: the exact values llama.cpp's CPU graph computes for the
 steps tandem's CPU path would otherwise have to emulate (its rope's cos/sin and GELU table through
-`ggml_elementwise`; one query row's attention over an f16 cache through `ggml_attention_row`)."""
+`ggml_elementwise`; query rows' attention over an f16 cache through `ggml_attention`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
-__all__ = ["ATTENTION_THREADED_FROM", "ggml_attention_row", "ggml_elementwise"]
+__all__ = ["ATTENTION_THREADED_FROM", "ggml_attention", "ggml_elementwise"]
 
 
 def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
@@ -50,7 +50,7 @@ def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
 
 @dataclass(eq=False)
 class _AttentionGraph:
-    """A cached one-row attention graph (see `ggml_attention_row`): its contexts, graph, plan and the input
+    """An attention graph (see `ggml_attention`): its contexts, graph, plan and the input
     tensors repointed per call (q, k, v^T, mask), the output's memory and the plan's work buffer."""
 
     contexts: tuple[int, int]
@@ -70,43 +70,46 @@ class _AttentionGraph:
 
 
 _ATTENTION_GRAPHS: OrderedDict[tuple[int | float, ...], _AttentionGraph] = OrderedDict()
-# From this many positions one row's attention runs on all of torch's threads (below, one: a thread's wake-up
+# From this many positions x query rows the attention runs on all of torch's threads (below, one: a thread's wake-up
 # costs more than its share; at 3,008 positions one thread took 0.84 ms per Gemma 3 270M layer)
 ATTENTION_THREADED_FROM = 1024
 _MAX_ATTENTION_GRAPHS = 16  # decode needs one per layer geometry and scale; it moves on every 64 positions
 _attention_lock = threading.Lock()
 
 
-def _build_attention(h: int, g: int, d: int, dv: int, n: int, kq_scale: float, n_threads: int) -> _AttentionGraph:
-    """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(v^T, kq), the nodes of llama.cpp's attention
-    without flash attention; the inputs' memory is the caller's, the rest the compute context's.
+def _build_attention(
+    h: int, g: int, d: int, dv: int, n: int, t: int, kq_scale: float, n_threads: int
+) -> _AttentionGraph:
+    """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(v^T, kq) for t query rows, the nodes of llama.cpp's
+    attention without flash attention; the inputs' memory is the caller's, the rest the compute context's.
 
     Its f16 products run as float32 ones on exact conversions (the caller's keys and values, the query and
     the probabilities rounded to f16 first): this ggml build's f16 `mul_mat` returns scores at f16 precision
     on an AVX512-FP16 CPU, where llama.cpp's sums in float32 with the lanes and reduction of
-    `ggml_vec_dot_f32` (exact products, so its fused multiply-adds are the same additions)."""
+    `ggml_vec_dot_f32` (one row) or tinyBLAS (several; exact products, so its fused multiply-adds are the same
+    additions)."""
     inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 4, mem_buffer=None,
                                                       no_alloc=True))  # fmt: skip
-    mem = 4 * (4 * n * h + dv * h) + 16 * ggml.ggml_tensor_overhead()
+    mem = 4 * (4 * n * t * h + dv * t * h) + 16 * ggml.ggml_tensor_overhead()
     ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem + ggml.ggml_graph_overhead_custom(16, False) + 4096,
                                                mem_buffer=None, no_alloc=False))  # fmt: skip
     if not inputs_ctx or not ctx:
         raise MemoryError("ggml_init failed")
     f32 = ggml.GGML_TYPE_F32
-    q = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, 1, h)
+    q = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, t, h)
     k = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, n, g)
     k.contents.nb[1], k.contents.nb[2] = 4 * d * g, 4 * d  # strided over the cache's [N, G, D] layout
     vt = ggml.ggml_new_tensor_3d(inputs_ctx, f32, n, dv, g)
-    mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, 1)
-    kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, 1, H]
+    mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, t)
+    kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, T, H]
     kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), f32)
-    out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, 1, H]
+    out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, T, H]
     graph = ggml.ggml_new_graph_custom(ctx, 16, False)
     ggml.ggml_build_forward_expand(graph, out)
     plan = ggml.ggml_graph_plan(graph, n_threads, None)
     work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
     plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-    result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, dv))
+    result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, t, dv))
     return _AttentionGraph((inputs_ctx, ctx), graph, plan,
                            (q.contents, k.contents, vt.contents, mask.contents), result, work)  # fmt: skip
 
@@ -118,29 +121,32 @@ def _set_strides(tensor: ggml.ggml_tensor, nb1: int, nb2: int) -> None:
     tensor.nb[3] = nb2 * tensor.ne[2]
 
 
-def ggml_attention_row(
+def ggml_attention(
     q: np.ndarray, k: np.ndarray, vt: np.ndarray, mask: np.ndarray, kq_scale: float, n_threads: int = 1
 ) -> np.ndarray:
-    """One query row's attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
-    `soft_max_ext` kernel, and its f16 `mul_mat` sums (query and probabilities rounded to f16) in the lanes
+    """Query rows' attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
+    `soft_max_ext` kernel, and its f16 `mul_mat` sums (queries and probabilities rounded to f16) in the lanes
     and order llama.cpp's build uses (see `_build_attention`).
 
-    q: [H, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
-    holding f16 values; mask: [N] float32 (0 or -inf). q and mask C-contiguous; k and vt may be views with
+    q: [H, T, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
+    holding f16 values; mask: [T, N] float32 (0 or -inf). q and mask C-contiguous; k and vt may be views with
     strides of their own (a longer buffer's first N positions), their last axis contiguous. Query head h reads
     KV head h // (H / G). n_threads: ggml's threads; each output is one thread's sum, so the values do not
-    depend on it.
-    Returns [H, Dv] float32 (a fresh array)."""
-    h, d = q.shape
+    depend on it. One row's graph (decoding) is kept for the next call; several rows' graphs (prefill, whose
+    key count grows) are freed after it.
+    Returns [H, T, Dv] float32 (a fresh array)."""
+    h, t, d = q.shape
     n, g, _ = k.shape
     dv = vt.shape[1]
-    key = (h, g, d, dv, n, float(kq_scale), n_threads)
-    with _attention_lock:  # the cached graph's input pointers are rewritten per call
+    key = (h, g, d, dv, n, t, float(kq_scale), n_threads)
+    with _attention_lock:  # a cached graph's input pointers are rewritten per call
         a = _ATTENTION_GRAPHS.get(key)
         if a is None:
-            a = _ATTENTION_GRAPHS[key] = _build_attention(h, g, d, dv, n, float(kq_scale), n_threads)
-            while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
-                _ATTENTION_GRAPHS.popitem(last=False)
+            a = _build_attention(h, g, d, dv, n, t, float(kq_scale), n_threads)
+            if t == 1:
+                _ATTENTION_GRAPHS[key] = a
+                while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
+                    _ATTENTION_GRAPHS.popitem(last=False)
         else:
             _ATTENTION_GRAPHS.move_to_end(key)
         for tensor, array in zip(a.inputs, (q, k, vt, mask), strict=True):
