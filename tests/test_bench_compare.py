@@ -519,18 +519,34 @@ def test_process_reps_takes_turns_in_more_rounds(monkeypatch: pytest.MonkeyPatch
     )
 
 
-def test_pcie_experts_goes_to_the_rows_with_experts_in_host_ram() -> None:
-    """`tandem bench --pcie-experts K --matrix cpu-moe,n-cpu-moe=half,all`: tandem's worker gets the flag on the
-    rows whose experts are in host RAM under a GPU, not on the all-GPU row (where it would be an error) nor on a
-    CPU-only one; llama.cpp's worker never gets it."""
+def test_pcie_experts_goes_to_the_rows_with_experts_in_host_ram(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`tandem bench --pcie-experts K --matrix ...`: the rows whose plan keeps experts in host RAM under a GPU get
+    the flag on tandem's worker (each checked as loading would), the others (all on the GPU, the CPU) do not,
+    llama.cpp's worker never does; a matrix without such a row is a usage error, not a flag left unused."""
     import tandem.bench.compare as compare
     from tandem.bench.spec import BenchSettings
+    from tandem.convert import convert_hf
+    from tandem.gguf import open_gguf
+    from tandem.models import read_config
+    from tandem.placement import RuntimeShape, plan_placement
 
-    settings = BenchSettings(model="m.gguf", threads=1, pp=(4,), tg=2, reps=1, n_ctx=64, n_batch=8, pcie_experts=3)
-    placements = [*parse_matrix("cpu-moe,n-cpu-moe=half,all", Placement(device="cuda"), n_layers=4), Placement()]
+    q8 = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "tiny-q8_0.gguf", "q8_0")  # a type the GPU kernels read
+    f, cfg = open_gguf(q8), read_config(open_gguf(q8))
+    placements = [*parse_matrix("cpu-moe,n-cpu-moe=half,all", Placement(device="cuda"), cfg.n_layers), Placement()]
+    plans = [plan_placement(f, cfg, p.request(), RuntimeShape(n_ctx=64)) for p in placements]
+    rows = compare.pcie_rows(f, 2, plans, 1)
+    assert rows == {0, 1} and compare.pcie_rows(f, 2, plans, 0) == frozenset()
+    with pytest.raises(TandemError, match="--pcie-experts 1: no row keeps routed experts in host RAM"):
+        compare.pcie_rows(f, 2, plans[2:], 1)
+    with pytest.raises(TandemError, match="--pcie-experts 2: this model selects 2 experts per token"):
+        compare.pcie_rows(f, 2, plans, 2)
+
+    settings = BenchSettings(model=str(q8), threads=1, pp=(4,), tg=2, reps=1, n_ctx=64, n_batch=8, pcie_experts=1)
     peer = {"n_gpu_layers": -1, "overrides": []}
-    comparison = compare.Comparison(settings, placements, llama=dict.fromkeys(range(4), peer))
-    flags = [comparison._cmd("tandem", i, 1) for i in range(4)]
-    assert [cmd is not None and "--pcie-experts" in cmd for cmd in flags] == [True, True, False, False]
-    assert all(c is not None and c[c.index("--pcie-experts") + 1] == "3" for c in flags[:2])
+    comparison = compare.Comparison(settings, placements, llama=dict.fromkeys(range(4), peer), pcie_rows=rows)
+    cmds = [comparison._cmd("tandem", i, 1) or [] for i in range(4)]
+    assert ["--pcie-experts" in cmd for cmd in cmds] == [True, True, False, False]
+    assert all(cmd[cmd.index("--pcie-experts") + 1] == "1" for cmd in cmds[:2])
     assert not any("--pcie-experts" in (comparison._cmd("llamacpp", i, 1) or []) for i in range(4))

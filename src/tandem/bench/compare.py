@@ -41,12 +41,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.bench.protocol import EXIT_PEER_MISSING, parse_rep, parse_result
 from tandem.bench.report import Report, Row, write_report
 from tandem.bench.spec import BenchSettings, Placement, to_llama
 from tandem.errors import TandemError
+
+if TYPE_CHECKING:
+    from tandem.gguf import GGUFFile
+    from tandem.placement import PlacementPlan
 
 ENGINES = ("tandem", "llamacpp")
 STDERR_TAIL_LINES = 25
@@ -261,6 +265,7 @@ class Comparison:
     report_dir: Path | None = None
     command: str = ""
     llama: dict[int, dict[str, Any] | str] = field(default_factory=dict)  # placement -> params or why not
+    pcie_rows: frozenset[int] = frozenset()  # placements whose tandem worker gets --pcie-experts (see pcie_rows)
     _start: float = 0.0
     _first_rep_s: dict[str, float] = field(default_factory=dict)  # engine -> start to first repetition, last seen
 
@@ -273,7 +278,7 @@ class Comparison:
         if engine == "tandem":
             dtype = ["--dtype", s.dtype] if s.dtype else []  # tandem's GPU compute type; llama.cpp has its own
             own = ["--repack-experts"] if s.repack_experts else []  # tandem's own options
-            if s.pcie_experts and self.placements[i].cpu_experts_on_gpu_model:
+            if i in self.pcie_rows:
                 own += ["--pcie-experts", str(s.pcie_experts)]
             worker = [sys.executable, "-m", "tandem.bench.worker"]
             return [*worker, "-m", s.model, *self.placements[i].argv(), *dtype, *own, *common]
@@ -407,6 +412,27 @@ def _stop(row: Row, reps: int, why: str) -> None:
         row.fail("not run", why)
 
 
+def pcie_rows(f: GGUFFile, n_active: int, plans: Sequence[PlacementPlan], k: int) -> frozenset[int]:
+    """The rows `--pcie-experts K` applies to: those whose plan computes on a GPU with routed experts in host RAM,
+    each checked as loading would check it. K > 0 with no such row is a usage error, not a flag left unused."""
+    from tandem.placement import cpu_experts_by_layer
+    from tandem.runtime.devices import check_pcie_experts
+
+    if k == 0:
+        return frozenset()
+    rows = frozenset(
+        i for i, plan in enumerate(plans) if plan.compute_device != "cpu" and cpu_experts_by_layer(f, plan.devices)
+    )
+    if not rows:
+        raise TandemError(
+            f"--pcie-experts {k}: no row keeps routed experts in host RAM under a GPU; add --cpu-moe, or "
+            "cpu-moe / n-cpu-moe rows to --matrix"
+        )
+    for i in sorted(rows):
+        check_pcie_experts(plans[i], f, n_active, k)
+    return rows
+
+
 def settings_from_args(args: Any) -> BenchSettings:
     """BenchSettings from `tandem bench`'s parsed flags."""
     from tandem.api import default_model_path, resolve_threads
@@ -463,12 +489,13 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
     engines = ("tandem", "llamacpp") if args.compare else ("tandem",)
     shape = RuntimeShape(settings.n_ctx, settings.n_batch, CACHE_DTYPES[settings.cache_type].itemsize)
     llama: dict[int, dict[str, Any] | str] = {}
-    for i, p in enumerate(placements):
-        plan = plan_placement(f, cfg, p.request(), shape)  # bad flags are usage errors, before any run
+    plans = [plan_placement(f, cfg, p.request(), shape) for p in placements]  # bad flags: usage errors, before any run
+    for i, (p, plan) in enumerate(zip(placements, plans, strict=True)):
         try:
             llama[i] = to_llama(p.request(), plan).as_dict()
         except TandemError as e:
             llama[i] = str(e)
+    with_pcie = pcie_rows(f, cfg.moe.n_active if cfg.moe else 0, plans, settings.pcie_experts)
     comparison = Comparison(
         settings=settings,
         placements=placements,
@@ -477,6 +504,7 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
         report_dir=Path(args.report) if args.report else None,
         command=" ".join(["tandem", *(argv if argv is not None else sys.argv[1:])]),
         llama=llama,
+        pcie_rows=with_pcie,
     )
     report = comparison.run()
     from tandem.bench.report import render_markdown

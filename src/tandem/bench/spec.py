@@ -43,12 +43,6 @@ class Placement:
             n_gpu_layers=self.n_gpu_layers,
         )
 
-    @property
-    def cpu_experts_on_gpu_model(self) -> bool:
-        """Whether --cpu-moe or --n-cpu-moe keeps experts in host RAM while a GPU computes the rest (the rows
-        that --pcie-experts applies to)."""
-        return self.device != "cpu" and (self.cpu_moe or self.n_cpu_moe > 0)
-
     def argv(self) -> list[str]:
         """The flags that give this placement to `tandem` and to the tandem worker."""
         out = ["--device", self.device]
