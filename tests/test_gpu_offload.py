@@ -329,3 +329,29 @@ def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no
     print(f"--pcie-experts 3 against the CPU alone, max |logit diff| per row: {per_row}")
     assert (captured - cpu_only).abs().max() <= 1e-2 * cpu_only.abs().max(), per_row
     assert torch.equal(captured[0], cpu_only[0])  # prefill streams the experts either way: the same kernels
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
+def test_pcie_experts_across_moe_archs(fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--pcie-experts 1 on the other expert layouts, converted to Q8_0 (a type the GPU kernels read): Qwen3.5's
+    routed experts beside its shared expert, Gemma 4's fused gate_up with per-expert output scales beside its
+    dense branch, gpt-oss's biases (its expert vectors read over PCIe too). Captured decode logits stay within
+    rounding of the CPU-only run's (f32 compute; bound as in the test above). Added after the session-11 device
+    calls, where only the synthetic Qwen3-30B-A3B was checked with the flag."""
+    import tandem
+    from tandem.convert import convert_hf
+
+    path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
+    runs = []
+    for k in (0, 1):
+        with tandem.LLM(path, device="cuda", cpu_moe=True, dtype="f32", cache_type="f32", n_ctx=128,
+                        pcie_experts=k) as llm:  # fmt: skip
+            assert any(n.startswith("--pcie-experts 1:") for n in llm.notices) == (k > 0)
+            engine = llm.engine
+            logits = [engine.feed([3, 17, 29, 41, 5]).float().cpu()]  # under 32 tokens: the CPU/PCIe split too
+            logits += [engine.append([t]).float().cpu() for t in (11, 22, 33, 44)]
+            runs.append(torch.stack(logits))
+    cpu_only, split = runs
+    per_row = (split - cpu_only).abs().amax(dim=1).tolist()
+    print(f"{fixture}: --pcie-experts 1 against the CPU alone, max |logit diff| per row: {per_row}")
+    assert (split - cpu_only).abs().max() <= 1e-2 * cpu_only.abs().max(), per_row
