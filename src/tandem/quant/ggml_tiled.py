@@ -106,25 +106,29 @@ def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """float32 a * b + c with a single rounding (a fused multiply-add), for float32 tensors.
+    """float32 a * b + c with a single rounding (a fused multiply-add), for float32 tensors: a of the result's
+    shape, b and c of it or broadcasting against it.
 
     a * b is exact in float64, and so the float64 sum s is the exact sum rounded once. Rounding s again
     to float32 gives the exact sum's float32 rounding unless s is itself halfway between two float32
     values (a boundary of that rounding cannot lie strictly between the exact sum and its nearest
-    float64), or in float32's subnormal range, where those halfway points lie elsewhere: those few are made
-    round-to-odd first (their exact error, from TwoSum, says which neighbour), which rounds right."""
-    p = a.double() * b.double()
-    c64 = c.double()
-    s = p + c64
-    hard = ((s.view(torch.int64) & _F32_DROPPED_BITS) == _F32_HALFWAY) | ((s.abs() < _F32_MIN_NORMAL) & (s != 0))
+    float64), or in float32's subnormal range, where those halfway points lie elsewhere: those few (found
+    in place, with zeros among them) are made round-to-odd first (their exact error, from TwoSum, says which
+    neighbour), which rounds right."""
+    s = a.double().mul_(b.double()).add_(c.double())
+    r = s.float()
+    hard = (s.view(torch.int64) & _F32_DROPPED_BITS) == _F32_HALFWAY
+    hard |= r.abs() <= _F32_MIN_NORMAL
     if bool(hard.any()):
-        p, c64, sh = p[hard], c64[hard], s[hard]
+        p = a.expand_as(s)[hard].double() * b.expand_as(s)[hard].double()
+        c64 = c.expand_as(s)[hard].double()
+        sh = p + c64
         z = sh - p
         err = (p - (sh - z)) + (c64 - z)  # sh + err == p + c exactly
         inexact_even = (err != 0) & ((sh.view(torch.int64) & 1) == 0)
         odd = torch.nextafter(sh, torch.copysign(torch.full_like(sh, torch.inf), err))
-        s[hard] = torch.where(inexact_even, odd, sh)
-    return s.float()
+        r[hard] = torch.where(inexact_even, odd, sh).float()
+    return r
 
 
 def _unpack_q6_k(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
