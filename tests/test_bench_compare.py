@@ -536,12 +536,12 @@ def test_pcie_experts_goes_to_the_rows_with_experts_in_host_ram(
     f, cfg = open_gguf(q8), read_config(open_gguf(q8))
     placements = [*parse_matrix("cpu-moe,n-cpu-moe=half,all", Placement(device="cuda"), cfg.n_layers), Placement()]
     plans = [plan_placement(f, cfg, p.request(), RuntimeShape(n_ctx=64)) for p in placements]
-    rows = compare.pcie_rows(f, 2, plans, 1)
-    assert rows == {0, 1} and compare.pcie_rows(f, 2, plans, 0) == frozenset()
+    rows = compare.pcie_rows(f, cfg, plans, 1)
+    assert rows == {0, 1} and compare.pcie_rows(f, cfg, plans, 0) == frozenset()
     with pytest.raises(TandemError, match="--pcie-experts 1: no row keeps routed experts in host RAM"):
-        compare.pcie_rows(f, 2, plans[2:], 1)
+        compare.pcie_rows(f, cfg, plans[2:], 1)
     with pytest.raises(TandemError, match="--pcie-experts 2: this model selects 2 experts per token"):
-        compare.pcie_rows(f, 2, plans, 2)
+        compare.pcie_rows(f, cfg, plans, 2)
 
     settings = BenchSettings(model=str(q8), threads=1, pp=(4,), tg=2, reps=1, n_ctx=64, n_batch=8, pcie_experts=1)
     peer = {"n_gpu_layers": -1, "overrides": []}

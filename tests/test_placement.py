@@ -194,8 +194,8 @@ def test_pcie_experts_is_checked_before_loading(
 
     q8 = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "tiny-q8_0.gguf", "q8_0")
     f, plan = _plan(q8, device="cuda", cpu_moe=True)
-    check_pcie_experts(plan, f, 2, 0)  # off
-    check_pcie_experts(plan, f, 2, 1)  # runs: 1 on the GPU, 1 on the CPU
+    check_pcie_experts(plan, f, read_config(f), 0)  # off
+    check_pcie_experts(plan, f, read_config(f), 1)  # runs: 1 on the GPU, 1 on the CPU
     cases = [
         (_plan(q8, device="cuda", cpu_moe=True), 2, "must be below|leave the CPU some"),
         (_plan(q8, device="cuda", cpu_moe=True), -1, "must be 0"),
@@ -205,7 +205,7 @@ def test_pcie_experts_is_checked_before_loading(
     ]
     for (f, plan), k, message in cases:
         with pytest.raises(tandem.TandemError, match=message) as e:
-            check_pcie_experts(plan, f, 2, k)
+            check_pcie_experts(plan, f, read_config(f), k)
         assert str(e.value).startswith(f"--pcie-experts {k}: ") and "\n" not in str(e.value)
     assert main(["run", "-m", str(q8), "-p", "hi", "-n", "2", "--device", "cpu", "--pcie-experts", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

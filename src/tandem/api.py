@@ -139,7 +139,7 @@ class LLM:
         shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
         self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
         check_executable(self.plan)
-        check_pcie_experts(self.plan, self.file, self.config.moe.n_active if self.config.moe else 0, pcie_experts)
+        check_pcie_experts(self.plan, self.file, self.config, pcie_experts)
         self.threads = resolve_threads(threads)
         self.kernels = CPUKernels(self.threads)
         torch.set_num_threads(self.threads)

@@ -50,6 +50,7 @@ from tandem.errors import TandemError
 
 if TYPE_CHECKING:
     from tandem.gguf import GGUFFile
+    from tandem.models.config import ModelConfig
     from tandem.placement import PlacementPlan
 
 ENGINES = ("tandem", "llamacpp")
@@ -412,7 +413,7 @@ def _stop(row: Row, reps: int, why: str) -> None:
         row.fail("not run", why)
 
 
-def pcie_rows(f: GGUFFile, n_active: int, plans: Sequence[PlacementPlan], k: int) -> frozenset[int]:
+def pcie_rows(f: GGUFFile, cfg: ModelConfig, plans: Sequence[PlacementPlan], k: int) -> frozenset[int]:
     """The rows `--pcie-experts K` applies to: those whose plan computes on a GPU with routed experts in host RAM,
     each checked as loading would check it. K > 0 with no such row is a usage error, not a flag left unused."""
     from tandem.placement import cpu_experts_by_layer
@@ -429,7 +430,7 @@ def pcie_rows(f: GGUFFile, n_active: int, plans: Sequence[PlacementPlan], k: int
             "cpu-moe / n-cpu-moe rows to --matrix"
         )
     for i in sorted(rows):
-        check_pcie_experts(plans[i], f, n_active, k)
+        check_pcie_experts(plans[i], f, cfg, k)
     return rows
 
 
@@ -495,7 +496,7 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
             llama[i] = to_llama(p.request(), plan).as_dict()
         except TandemError as e:
             llama[i] = str(e)
-    with_pcie = pcie_rows(f, cfg.moe.n_active if cfg.moe else 0, plans, settings.pcie_experts)
+    with_pcie = pcie_rows(f, cfg, plans, settings.pcie_experts)
     comparison = Comparison(
         settings=settings,
         placements=placements,

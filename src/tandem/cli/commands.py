@@ -187,7 +187,7 @@ def inspect(args: argparse.Namespace) -> int:
         n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize
     )
     plan = plan_placement(f, cfg, request, shape)
-    check_pcie_experts(plan, f, cfg.moe.n_active if cfg.moe else 0, args.pcie_experts)
+    check_pcie_experts(plan, f, cfg, args.pcie_experts)
     mix: Counter[str] = Counter()
     mix_bytes: Counter[str] = Counter()
     for t in f.tensors.values():

@@ -6,6 +6,7 @@ import torch
 
 from tandem.errors import PlacementError, TandemError
 from tandem.gguf import GGUFFile
+from tandem.models.config import ModelConfig
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, streamable
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -53,10 +54,10 @@ def check_executable(plan: PlacementPlan) -> None:
         raise PlacementError(f"--device {req.device}: the GPU kernels need triton; pip install triton") from None
 
 
-def check_pcie_experts(plan: PlacementPlan, f: GGUFFile, n_active: int, k: int) -> None:
+def check_pcie_experts(plan: PlacementPlan, f: GGUFFile, cfg: ModelConfig, k: int) -> None:
     """Raise a one-line TandemError, naming the flag, unless --pcie-experts K can run with this plan: a GPU
     computes, some experts are in host RAM, their types have GPU kernels and K leaves the CPU some of each
-    token's `n_active` experts."""
+    token's selected experts."""
     if k == 0:
         return
     if k < 0:
@@ -68,6 +69,7 @@ def check_pcie_experts(plan: PlacementPlan, f: GGUFFile, n_active: int, k: int) 
         raise TandemError(
             f"--pcie-experts {k}: no routed experts are in host RAM; add --cpu-moe, --n-cpu-moe N or -ot"
         )
+    n_active = cfg.moe.n_active if cfg.moe else 0
     if k >= n_active:
         raise TandemError(
             f"--pcie-experts {k}: this model selects {n_active} experts per token; leave the CPU some "
