@@ -140,17 +140,11 @@ def attend(
     modulo its size).
 
     `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing. `cache`: the buffer
-    keys and values are (a prefix of), whose float32 copies a CPU decode step reads (`LayerKV.float32_rows`)."""
+    keys and values are (a prefix of), whose float32 copies the CPU attention reads (`LayerKV.float32_rows`)."""
     if q.is_cuda and q.shape[0] == 1:  # decoding: one kernel pair reads p on the device, builds no mask
         from tandem.cuda.decode_attention import decode_attention
 
         return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
-    cpu_f16 = keys.dtype is torch.float16 and not q.is_cuda and s.softcap is None and sinks is None
-    if cpu_f16 and q.shape[0] == 1:  # a CPU decode step: its row of the mask straight away
-        position, n_keys = int(positions[0]) - first, keys.shape[0]
-        seen = np.zeros((1, n_keys), dtype=bool)
-        seen[0, max(0, position - s.sliding_window + 1) if s.sliding_window else 0 : position + 1] = True
-        return _attend_ggml_nodes(q, _float32_source(keys, values, first, cache), seen, s)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
@@ -166,7 +160,7 @@ def attend(
     if q.is_cuda and s.softcap is None and sinks is None:  # one fused kernel instead of a dozen
         return _sdpa(q, keys, values, allowed, s, group)
     if keys.dtype is torch.float16 and not q.is_cuda:
-        if cpu_f16 and _nodes_round_as_llamacpp(q.shape[0], s):
+        if s.softcap is None and sinks is None and _nodes_round_as_llamacpp(q.shape[0], s):
             return _attend_ggml_nodes(q, _float32_source(keys, values, first, cache), allowed.cpu().numpy(), s)
         return _attend_ggml(q, keys, values, allowed, s, sinks)
     qh = q.float().transpose(0, 1)  # [H, T, D]

@@ -34,7 +34,7 @@ class LayerKV:
     k: torch.Tensor
     v: torch.Tensor
     window: int | None = None  # a ring's sliding window (None: a full buffer)
-    # float32 copies for ggml's one-row attention on the CPU (`float32_rows`): keys [C, H_kv, D], values
+    # float32 copies for ggml's attention on the CPU (`float32_rows`): keys [C, H_kv, D], values
     # transposed [H_kv, Dv, C], positions [0, _f32_valid) up to date
     _f32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _f32_valid: int = field(default=0, init=False, repr=False)
@@ -110,7 +110,7 @@ class LayerKV:
 
     def float32_rows(self, end: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, padded) of a full buffer in float32, keys [padded, H_kv, D] and values transposed
-        [H_kv, Dv, padded] (views), for ggml's one-row attention on the CPU (layers/attention.py). Only the
+        [H_kv, Dv, padded] (views), for ggml's attention on the CPU (layers/attention.py). Only the
         positions written since the last call, below `end`, are copied: each step then copies one row instead of
         the whole cache (26 ms of a 72 ms Gemma 3 270M token at 3,000 positions, copied every step). Rows from
         `end` on hold zeros or stale finite values, which the caller masks."""
