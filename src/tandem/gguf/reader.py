@@ -6,8 +6,10 @@ never a copy. Shapes are given in PyTorch order (outermost first); ggml's `ne` i
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from tandem.errors import GGUFFormatError, MissingMetadataError, TandemError, UnsupportedModelError
-from tandem.gguf.header import HeaderError, RawTensorEntry, parse_header
+from tandem.gguf.header import HeaderError, RawTensorEntry, one_line, parse_header, quote
 
 GGUF_MAGIC = b"GGUF"
 
@@ -40,7 +42,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
+        return math.prod(self.shape)
 
 
 @dataclass
@@ -81,23 +83,35 @@ def metadata_errors(path: Path, what: str) -> Iterator[None]:
     except TandemError:
         raise
     except (TypeError, ValueError, ZeroDivisionError, OverflowError, IndexError, KeyError, AttributeError) as e:
-        raise GGUFFormatError(f"{path.name}: malformed {what} metadata ({type(e).__name__}: {e})") from None
+        reason = f"{type(e).__name__}: {one_line(str(e))}"
+        raise GGUFFormatError(f"{path.name}: malformed {what} metadata ({reason})") from None
 
 
 def _check_magic(path: Path) -> int:
+    """The file's size, once it is known to be a regular file that starts with the GGUF magic. Opened without
+    blocking and checked on the open descriptor: a FIFO or device given as the model would block or never end."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise GGUFFormatError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise GGUFFormatError(f"{path}: is a directory, not a GGUF file") from None
     except OSError as e:
         raise GGUFFormatError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise GGUFFormatError(f"{path}: is a directory, not a GGUF file")
+        if not stat.S_ISREG(info.st_mode):
+            raise GGUFFormatError(f"{path}: not a regular file (a FIFO, socket or device), not a GGUF file")
+        magic = os.pread(fd, 4, 0)
+    except OSError as e:
+        raise GGUFFormatError(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
     if magic != GGUF_MAGIC:
         raise GGUFFormatError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    return size
+    return info.st_size
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -122,21 +136,20 @@ def _tensor_info(path: Path, entry: RawTensorEntry, data_start: int, data: np.nd
         qtype = GGMLQuantizationType(entry.ggml_type)
     except ValueError:
         raise UnsupportedModelError(
-            f"{path.name}: tensor '{entry.name}' has unknown ggml type {entry.ggml_type}"
+            f"{path.name}: tensor {quote(entry.name)} has unknown ggml type {entry.ggml_type}"
         ) from None
     shape = tuple(reversed(entry.ne))
     block, type_size = GGML_QUANT_SIZES[qtype]
-    n_elements = int(np.prod(shape)) if shape else 1
     if shape and shape[-1] % block != 0:
         raise GGUFFormatError(
-            f"{path.name}: tensor '{entry.name}': row of {shape[-1]} is not a multiple of the "
+            f"{path.name}: tensor {quote(entry.name)}: row of {shape[-1]} is not a multiple of the "
             f"{qtype.name} block of {block}"
         )
-    n_bytes = n_elements // block * type_size
+    n_bytes = math.prod(shape) // block * type_size  # Python integers: no wrap past 2^64
     offset = data_start + entry.offset
     if offset + n_bytes > data.size:
         raise GGUFFormatError(
-            f"{path.name}: tensor '{entry.name}' data [{offset}, {offset + n_bytes}) lies beyond the end of "
+            f"{path.name}: tensor {quote(entry.name)} data [{offset}, {offset + n_bytes}) lies beyond the end of "
             f"the file ({data.size} bytes): truncated file?"
         )
     view = data[offset : offset + n_bytes]
