@@ -66,6 +66,9 @@
 #     `+repack` adds --repack-experts, `pcieK` --pcie-experts K (after BENCH_FLAGS: it wins), `tNN` uses NN threads,
 #     `tree-NAME` imports tandem from ab/NAME/src: another
 #     branch's src/ copied there, untracked, which the device call carries with the working tree)
+#   FIDELITY=1 (after the build, before the benches: scripts/fidelity.py, tandem's GPU settings and llama.cpp's CUDA
+#     defaults against transformers on the tiny models, --record: tests/fixtures/fidelity_llamacpp_cuda.json comes
+#     back in $OUT; FIDELITY_SETTINGS picks tandem's settings). MODELS=" " runs no bench.
 #   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
 #     costs, with flags and in order)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
@@ -236,6 +239,15 @@ if [[ -n "$llama_pid" ]]; then
     bash scripts/llamacpp_bundle.sh pack "$PEER_LIB" "$OUT/$(basename "$LLAMA_BUNDLE")" >/dev/null &&
       say "saved the build: $(du -ch "$OUT/$(basename "$LLAMA_BUNDLE")"[0-9][0-9] | tail -1 | cut -f1) in $OUT"
   fi
+fi
+
+if [[ "${FIDELITY:-0}" == 1 && -d "$PEER_LIB/llama_cpp" ]]; then  # before the benches: nothing is timed
+  say "fidelity: tandem's settings and llama.cpp's CUDA defaults against transformers (scripts/fidelity.py)"
+  PYTHONPATH="$PYTHONPATH:$repo/tests" "$PY" scripts/fidelity.py --backend cuda --lib "$PEER_LIB" --record \
+    --settings "${FIDELITY_SETTINGS:-gpu,gpu-cpu-moe,gpu-n-cpu-moe,gpu-f32,gpu-f32-f32kv}" --json "$OUT/fidelity.json" \
+    >/tmp/fidelity.log 2>&1 || { say "fidelity FAILED"; tail -30 /tmp/fidelity.log; }
+  grep -E "^(qwen|gpt|gemma)" /tmp/fidelity.log
+  cp tests/fixtures/fidelity_llamacpp_cuda.json "$OUT/" 2>/dev/null
 fi
 
 if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # quiet machine: nothing else runs

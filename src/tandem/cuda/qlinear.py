@@ -101,11 +101,11 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
         rows = max(1, GPU_DEQUANT_CHUNK_BYTES // (k * dtype.itemsize))
         xd = x.to(dtype)
         if rows >= w.n_out:  # one slice (most projections): cuBLAS's product is the result, no copy into one
-            return (xd @ dequantize_rows_gpu(w, 0, w.n_out, dtype).T).to(x.dtype)
+            return matmul_out(xd, dequantize_rows_gpu(w, 0, w.n_out, dtype).T, x.dtype)
         y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
         for r0 in range(0, w.n_out, rows):
             n = min(rows, w.n_out - r0)
-            y[:, r0 : r0 + n] = (xd @ dequantize_rows_gpu(w, r0, n, dtype).T).to(x.dtype)
+            y[:, r0 : r0 + n] = matmul_out(xd, dequantize_rows_gpu(w, r0, n, dtype).T, x.dtype)
         return y
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
@@ -153,6 +153,17 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
         if tile_end[c1] > tile_end[c0]:
             launch(blocks, tile_end[c0], c0, tile_end[c1] - tile_end[c0])
     return y.view(t, a, n)
+
+
+def matmul_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b with operands in their (half) type and the result in `out_dtype`: on CUDA, bf16/f16 operands give
+    cuBLAS's f32 accumulators straight as an f32 result, not rounded to the operands' type first (the residual
+    stream is f32, as llama.cpp keeps it; only a large product's inputs are rounded)."""
+    if a.dtype == out_dtype:
+        return a @ b
+    if out_dtype == torch.float32 and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).to(out_dtype)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.cuda.qlinear import GPUQuantWeight, qmatmul, qmatmul_id
+from tandem.cuda.qlinear import GPUQuantWeight, matmul_out, qmatmul, qmatmul_id
 from tandem.cuda.routing import router_logits
 
 ROUTER_GEMV_MAX_ROWS = 16  # decode batches; larger ones are worth cuBLAS's GEMM
@@ -49,7 +49,7 @@ class DenseLinear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.weight.dtype) @ self.weight.T).to(x.dtype)
+        return matmul_out(x.to(self.weight.dtype), self.weight.T, x.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T in f32 for a router, x [T, K] in any float type -> [T, N] f32: one GEMV kernel for a few
@@ -80,5 +80,5 @@ class DenseExperts:
         out = torch.empty(t * a, self.weight.shape[1], dtype=x.dtype, device=x.device)
         for e in torch.unique(flat_ids).tolist():
             rows = (flat_ids == e).nonzero(as_tuple=True)[0]
-            out[rows] = (flat_x[rows] @ self.weight[e].T).to(x.dtype)
+            out[rows] = matmul_out(flat_x[rows], self.weight[e].T, x.dtype)
         return out.view(t, a, -1)

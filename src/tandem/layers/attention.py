@@ -186,18 +186,21 @@ def _sdpa(
     s: AttentionShape,
     group: int,
 ) -> torch.Tensor:
-    """torch's fused attention of q [T, H, D] over keys/values [S, G, D] -> [T, H, Dv]: masked by `allowed`
-    [T, S], or causal (T == S) without it."""
+    """torch's fused attention of q [T, H, D] over keys/values [S, G, D] -> [T, H, Dv] in q's dtype: masked by
+    `allowed` [T, S], or causal (T == S) without it. With a half-precision cache the queries are rounded to the
+    cache's type, as llama.cpp's flash attention rounds them (its scores and softmax stay f32 inside the kernel),
+    so that the flash kernel runs: float32 queries would take torch's slow math path."""
+    work = keys.dtype if keys.dtype in (torch.float16, torch.bfloat16) else q.dtype
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-        values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        q.to(work).transpose(0, 1).unsqueeze(0),
+        keys.to(work).transpose(0, 1).unsqueeze(0),
+        values.to(work).transpose(0, 1).unsqueeze(0),
         attn_mask=None if allowed is None else allowed.view(1, 1, *allowed.shape),
         is_causal=allowed is None,
         scale=s.scale,
         enable_gqa=group > 1,
     )  # [1, H, T, Dv]
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 # -- llama.cpp's CPU arithmetic (f16 cache) ---------------------------------------------------------

@@ -21,7 +21,7 @@ class DecoderModel:
     def __init__(self, cfg: ModelConfig, loader: WeightLoader, build_block: BlockBuilder = standard_block) -> None:
         self.cfg = cfg
         self.device = loader.compute_device
-        self.dtype = loader.dtype
+        self.dtype = loader.act_dtype  # of the hidden state
         self.embed: QuantEmbedding = loader.embedding("token_embd.weight")
         self.output_norm = loader.vector("output_norm.weight")
         # Tied embeddings: the output head reads the embedding table when there is no `output`.

@@ -84,7 +84,11 @@ class WeightLoader:
         self.plan = plan
         self.kernels = kernels
         self.compute_device = torch.device(plan.compute_device)
+        # `dtype` is what large products take (their inputs rounded to it, dense weights stored in it); the hidden
+        # state between them (residual stream, norms, routers, attention softmax, delta-net state) stays float32
+        # on every device, as llama.cpp keeps it (docs/NUMERICS.md).
         self.dtype = dtype if self.compute_device.type != "cpu" else torch.float32
+        self.act_dtype = torch.float32
         self.ieee = self.dtype == torch.float32
         self.on_tensor = on_tensor
         self._placed: dict[str, torch.device] = {}
@@ -259,7 +263,7 @@ class WeightLoader:
         if device.type == "cpu":
             self._record(info, info.data)
             kernels = self.kernels if lookup_supported(info.qtype) else None
-        return QuantEmbedding(data, info, out_device=self.compute_device, out_dtype=self.dtype, kernels=kernels)
+        return QuantEmbedding(data, info, out_device=self.compute_device, out_dtype=self.act_dtype, kernels=kernels)
 
     def _boundary(self, op: HostLinear | HostExperts) -> HostLinear | HostExperts:
         self.host_boundaries.append(op.host)
