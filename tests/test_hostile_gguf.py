@@ -22,10 +22,10 @@ def _string(text: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _header(kvs: list[bytes], tensors: list[bytes] = (), pad: int = 0) -> bytes:  # type: ignore[assignment]
+def _header(kvs: list[bytes], tensors: list[bytes] | None = None, pad: int = 0) -> bytes:
     """A GGUF v3 header of raw key-value and tensor entries, then `pad` zero bytes."""
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs))
-    return head + b"".join(kvs) + b"".join(tensors) + b"\0" * pad
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors or []), len(kvs))
+    return head + b"".join(kvs) + b"".join(tensors or []) + b"\0" * pad
 
 
 def _kv(key: str, vtype: int, payload: bytes) -> bytes:
@@ -33,8 +33,11 @@ def _kv(key: str, vtype: int, payload: bytes) -> bytes:
 
 
 def _tensor(name: bytes, dims: tuple[int, ...], ggml_type: int = 0, offset: int = 0) -> bytes:
-    return _string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack(
-        "<IQ", ggml_type, offset
+    return (
+        _string(name)
+        + struct.pack("<I", len(dims))
+        + struct.pack(f"<{len(dims)}Q", *dims)
+        + struct.pack("<IQ", ggml_type, offset)
     )
 
 

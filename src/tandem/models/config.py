@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.errors import UnsupportedModelError
+from tandem.errors import GGUFFormatError, UnsupportedModelError
 from tandem.gguf import GGUFFile
 from tandem.layers.rope import RopeSpec, YarnSpec
 
@@ -67,6 +67,88 @@ class ModelConfig:
             )
         if any(layer.moe for layer in self.layers) and self.moe is None:
             raise UnsupportedModelError(f"{self.arch}: MoE layers without expert metadata")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Upper bounds and cross-checks, before anything is sized from these numbers: far above any real model's,
+        they refuse a hostile file's 2^31 rotated dimensions or 2^32 experts before a buffer is asked for (the
+        tensors' shapes then tie the sizes to what the file holds)."""
+        check_range(self.arch, "vocabulary", self.n_vocab, 1, MAX_VOCAB)
+        for name, value in (("width", self.hidden), ("query heads", self.n_heads), ("head size", self.head_dim),
+                            ("value head size", self.value_dim)):  # fmt: skip
+            check_range(self.arch, name, value, 1, MAX_WIDTH)
+        check_range(self.arch, "FFN size", self.ffn_dim, 0, MAX_WIDTH)
+        check_range(self.arch, "context length", self.context_length, 1, MAX_CONTEXT)
+        check_range(self.arch, "heads x head size", self.n_heads * max(self.head_dim, self.value_dim), 1, MAX_WIDTH)
+        for name, x in (("rms epsilon", self.rms_eps), ("embedding scale", self.embed_scale),
+                        ("attention scale", self.attn_scale)):  # fmt: skip
+            check_finite(self.arch, name, x, positive=name != "rms epsilon")
+        for name, cap in (("final logit softcap", self.final_logit_softcap),
+                          ("attention logit softcap", self.attn_logit_softcap)):  # fmt: skip
+            if cap is not None:
+                check_finite(self.arch, name, cap, positive=True)
+        if self.moe is not None:
+            check_range(self.arch, "expert count", self.moe.n_experts, 1, MAX_EXPERTS)
+            check_range(self.arch, "experts used per token", self.moe.n_active, 1, self.moe.n_experts)
+            check_range(self.arch, "expert FFN size", self.moe.expert_ffn_dim, 1, MAX_WIDTH)
+        for i, layer in enumerate(self.layers):
+            head_dim = layer.head_dim or self.head_dim
+            check_range(self.arch, f"layer {i} head size", head_dim, 1, MAX_WIDTH)
+            n_kv = layer.n_kv_heads or self.n_kv_heads
+            if n_kv <= 0 or self.n_heads % n_kv:
+                raise UnsupportedModelError(
+                    f"{self.arch}: layer {i}: {self.n_heads} query heads are not a multiple of {n_kv} KV heads"
+                )
+            if layer.sliding_window is not None:
+                check_range(self.arch, f"layer {i} sliding window", layer.sliding_window, 1, MAX_CONTEXT)
+            _check_rope(self.arch, i, layer.rope, head_dim)
+
+
+# Sane maxima for hyper-parameters (the largest real models are 10-100 times below each).
+MAX_VOCAB = 1 << 24
+MAX_WIDTH = 1 << 20  # widths, head sizes, FFN sizes, heads x head size
+MAX_CONTEXT = 1 << 30
+MAX_EXPERTS = 1 << 16
+MAX_LAYERS = 1 << 12
+
+
+def check_range(where: str, name: str, value: int, lo: int, hi: int) -> None:
+    """A size from the metadata within [lo, hi], or a one-line GGUFFormatError naming it."""
+    if not lo <= value <= hi:
+        raise GGUFFormatError(f"{where}: the metadata's {name} is {value}; it must be in [{lo}, {hi}]")
+
+
+def check_finite(where: str, name: str, value: float, positive: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        need = "> 0" if positive else ">= 0"
+        raise GGUFFormatError(f"{where}: the metadata's {name} is {value}; it must be finite and {need}")
+
+
+def _check_rope(arch: str, i: int, rope: RopeSpec, head_dim: int) -> None:
+    """Rotated dimensions come in pairs within the head; the frequencies are finite."""
+    if not 0 < rope.dim <= head_dim or rope.dim % 2:
+        raise GGUFFormatError(
+            f"{arch}: layer {i} rotates {rope.dim} dimensions of a head of {head_dim}: it must be even and in "
+            f"[2, {head_dim}]"
+        )
+    check_finite(arch, "rope frequency base", rope.base, positive=True)
+    check_finite(arch, "rope scale", rope.scale, positive=True)
+    if rope.freq_factors is not None and len(rope.freq_factors) != rope.dim // 2:
+        raise GGUFFormatError(
+            f"{arch}: rope_freqs has {len(rope.freq_factors)} factors for {rope.dim} rotated dimensions"
+        )
+    if rope.yarn is not None:
+        check_range(arch, "rope original context length", rope.yarn.n_ctx_orig, 1, MAX_CONTEXT)
+        check_finite(arch, "rope attention factor", rope.yarn.attn_factor, positive=True)
+
+
+def block_count(f: GGUFFile) -> int:
+    """`{arch}.block_count`, bounded by the tensors the file holds (each layer has several) before any per-layer
+    list is built from it."""
+    n = int(f.arch_require("block_count"))
+    if n > (limit := min(len(f.tensors), MAX_LAYERS)):
+        raise GGUFFormatError(f"{f.path.name}: {f.arch}.block_count is {n}: at most {limit} for this file's tensors")
+    return n
 
 
 @dataclass(frozen=True)
@@ -96,7 +178,7 @@ def common_hparams(f: GGUFFile) -> CommonHParams:
         n_vocab = len(f.require("tokenizer.ggml.tokens"))
     return CommonHParams(
         n_vocab=int(n_vocab),
-        n_layers=int(f.arch_require("block_count")),
+        n_layers=block_count(f),
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=int(f.arch_get("attention.head_count_kv", n_heads)),

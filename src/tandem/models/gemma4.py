@@ -33,7 +33,7 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import GLUExperts, NormedSoftmaxTopKRouter
 from tandem.layers.rope import RopeSpec
 from tandem.models.blocks import Block, RopeCache
-from tandem.models.config import LayerSpec, ModelConfig, MoESpec, rope_scale, sliding_window_layers
+from tandem.models.config import LayerSpec, ModelConfig, MoESpec, block_count, rope_scale, sliding_window_layers
 from tandem.models.gemma3 import geglu_activation
 from tandem.runtime.loader import WeightLoader
 
@@ -61,7 +61,7 @@ def _freq_factors(f: GGUFFile) -> tuple[float, ...] | None:
 
 def read_config(f: GGUFFile) -> ModelConfig:
     """The ModelConfig of a Gemma 4 GGUF file."""
-    n_layers = int(f.arch_require("block_count"))
+    n_layers = block_count(f)
     hidden = int(f.arch_require("embedding_length"))
     if int(f.arch_get("attention.shared_kv_layers", 0)):
         raise UnsupportedModelError(f"{f.path.name}: Gemma 4 with shared KV layers (E2B/E4B) is not supported")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.errors import UnsupportedModelError
+from tandem.errors import GGUFFormatError, UnsupportedModelError
 from tandem.gguf import GGUFFile
 from tandem.layers.activations import activation
 from tandem.layers.delta_net import DeltaNetShape, FusedBetaAlpha, GatedDeltaNet, SplitBetaAlpha
@@ -29,8 +29,11 @@ from tandem.layers.rope import RopeSpec
 from tandem.layers.shared_expert import MoEWithSharedExpert, SharedExpert
 from tandem.models.blocks import Block, RopeCache, attention_shape, standard_ffn
 from tandem.models.config import (
+    MAX_LAYERS,
+    MAX_WIDTH,
     LayerSpec,
     ModelConfig,
+    check_range,
     common_hparams,
     default_attn_scale,
     moe_spec,
@@ -40,6 +43,10 @@ from tandem.models.config import (
 from tandem.runtime.loader import WeightLoader
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the file has no layer list
+# Upper bounds of the `ssm.*` sizes (real models: 16 key heads, 32 value heads, 128-wide heads, a kernel of 4); the
+# tensors' shapes then tie them to the file. The recurrent state of a layer is value heads x state x head sizes.
+SSM_LIMITS = {"group_count": 1 << 10, "time_step_rank": 1 << 10, "state_size": 1 << 12, "inner_size": 1 << 20,
+              "conv_kernel": 1 << 6}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,23 +67,36 @@ def recurrent_layers(f: GGUFFile, n_layers: int) -> list[bool]:
             raise UnsupportedModelError(f"{f.path.name}: recurrent_layers has {len(listed)} entries for {n_layers}")
         return [bool(r) for r in listed[:n_layers]]
     interval = int(f.arch_get("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL))
+    check_range(f.path.name, "full_attention_interval", interval, 1, MAX_LAYERS)
     return [(i + 1) % interval != 0 for i in range(n_layers)]
 
 
 def read_config(f: GGUFFile) -> HybridConfig:
     hp = common_hparams(f)
-    n_layers = hp.n_layers - int(f.arch_get("nextn_predict_layers", 0))  # MTP blocks come last
+    n_nextn = int(f.arch_get("nextn_predict_layers", 0))
+    check_range(f.path.name, "nextn_predict_layers", n_nextn, 0, hp.n_layers - 1)
+    n_layers = hp.n_layers - n_nextn  # MTP blocks come last
     rope = RopeSpec(base=hp.rope_base, dim=int(f.arch_get("rope.dimension_count", hp.head_dim)), scale=rope_scale(f))
-    n_v_heads = int(f.arch_require("ssm.time_step_rank"))
+    ssm = {key: int(f.arch_require(f"ssm.{key}")) for key in SSM_LIMITS}
+    for key, hi in SSM_LIMITS.items():
+        check_range(f.path.name, f"ssm.{key}", ssm[key], 1, hi)
+    n_k_heads, n_v_heads, inner = ssm["group_count"], ssm["time_step_rank"], ssm["inner_size"]
+    if n_v_heads % n_k_heads or inner % n_v_heads:
+        raise GGUFFormatError(
+            f"{f.path.name}: ssm.time_step_rank {n_v_heads} value heads must be a multiple of ssm.group_count "
+            f"{n_k_heads} and divide ssm.inner_size {inner}"
+        )
     delta_net = DeltaNetShape(
-        n_k_heads=int(f.arch_require("ssm.group_count")),
+        n_k_heads=n_k_heads,
         n_v_heads=n_v_heads,
-        head_k_dim=int(f.arch_require("ssm.state_size")),
-        head_v_dim=int(f.arch_require("ssm.inner_size")) // n_v_heads,
-        conv_kernel=int(f.arch_require("ssm.conv_kernel")),
+        head_k_dim=ssm["state_size"],
+        head_v_dim=inner // n_v_heads,
+        conv_kernel=ssm["conv_kernel"],
         head_layout="grouped" if f.arch == "qwen3next" else "tiled",
     )
     moe = moe_spec(f, renormalize=True)
+    shared_ffn = int(f.arch_get("expert_shared_feed_forward_length", hp.ffn_dim))
+    check_range(f.path.name, "expert_shared_feed_forward_length", shared_ffn, 0, MAX_WIDTH)
     return HybridConfig(
         **shape_fields(f, hp),
         activation="silu",
@@ -90,7 +110,7 @@ def read_config(f: GGUFFile) -> HybridConfig:
         layers=tuple(LayerSpec(sliding_window=None, rope=rope, moe=True) for _ in range(n_layers)),
         delta_net=delta_net,
         recurrent=tuple(recurrent_layers(f, n_layers)),
-        shared_expert_ffn_dim=int(f.arch_get("expert_shared_feed_forward_length", hp.ffn_dim)),
+        shared_expert_ffn_dim=shared_ffn,
     )
 
 
