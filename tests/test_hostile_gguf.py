@@ -126,3 +126,33 @@ def test_valid_files_still_open(tmp_path: Path) -> None:
 def test_quote_escapes_and_cuts() -> None:
     assert quote("a\nb\x1b[31m") == r"'a\nb\x1b[31m'"
     assert len(quote("x" * 1000)) == 80 and quote("x" * 1000).endswith("...'")
+
+
+@pytest.mark.parametrize(
+    ("values", "shown"),
+    [
+        ({"general.architecture": "x\n" * 400 + "Traceback (most recent call last):"}, "architecture 'x\\nx\\n"),
+        ({"tokenizer.ggml.pre": "p\r\n" * 400}, "pre-tokenizer 'p\\r\\n"),
+    ],
+)
+def test_names_from_the_file_stay_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], values: dict[str, object], shown: str
+) -> None:
+    """Issue 18: one file gave a 726-line "one-line" error. Names and values from the file are escaped and cut."""
+    path = write_gguf(tmp_path / "names.gguf", values=values)
+    assert main(["run", "-m", str(path), "-p", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and shown in err and len(err) < 300, err
+
+
+def test_cli_keeps_any_message_on_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import commands
+    from tandem.errors import TandemError
+
+    def fail(args: object) -> int:
+        raise TandemError("first\nTraceback (most recent call last):\n\x1b[31m" + "y" * 5000)
+
+    monkeypatch.setattr(commands, "inspect", fail)
+    assert main(["inspect"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\\x1b" in err and len(err) < 1100

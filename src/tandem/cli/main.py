@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from tandem.errors import TandemError
 
 EXIT_USER_ERROR = 2
+MAX_MESSAGE = 1000  # a message echoes paths, names and values: cut, so that it stays one line
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -219,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _commands()[args.command](args)
     except TandemError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from tandem.gguf.header import one_line  # here: `tandem --help` stays fast
+
+        print(f"error: {one_line(str(e), limit=MAX_MESSAGE)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("", file=sys.stderr)

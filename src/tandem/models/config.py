@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.errors import GGUFFormatError, UnsupportedModelError
 from tandem.gguf import GGUFFile
+from tandem.gguf.header import quote
 from tandem.layers.rope import RopeSpec, YarnSpec
 
 
@@ -244,7 +245,7 @@ def rope_scale(f: GGUFFile) -> float:
     if kind in (None, "none"):
         return 1.0
     if kind != "linear":
-        raise UnsupportedModelError(f"{f.path.name}: rope scaling '{kind}' is not supported for {f.arch}")
+        raise UnsupportedModelError(f"{f.path.name}: rope scaling {quote(str(kind))} is not supported for {f.arch}")
     return 1.0 / float(f.arch_get("rope.scaling.factor", 1.0))
 
 
@@ -264,7 +265,7 @@ def yarn_rope_scaling(f: GGUFFile) -> tuple[float, YarnSpec | None]:
     if kind == "linear":
         return scale, None
     if kind != "yarn":
-        raise UnsupportedModelError(f"{f.path.name}: rope scaling '{kind}' is not supported for {f.arch}")
+        raise UnsupportedModelError(f"{f.path.name}: rope scaling {quote(str(kind))} is not supported for {f.arch}")
     n_ctx_orig = int(f.arch_get("rope.scaling.original_context_length", 0) or f.arch_get("context_length", 4096))
     factor = 1.0 / scale
     attn = (0.1 * math.log(factor) + 1.0) if factor > 1.0 else 1.0

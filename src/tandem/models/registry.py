@@ -43,7 +43,8 @@ def architecture(f: GGUFFile) -> Architecture:
     spec = _ARCHITECTURES.get(_ALIASES.get(f.arch, f.arch))
     if spec is None:
         raise UnsupportedModelError(
-            f"{f.path.name}: architecture '{f.arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{f.path.name}: architecture {quote(f.arch)} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return spec
 

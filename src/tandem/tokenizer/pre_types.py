@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.errors import UnsupportedModelError
+from tandem.gguf.header import quote
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 
@@ -236,5 +237,5 @@ def pre_spec(pre: str | None) -> PreSpec:
     if spec is not None:
         return spec
     if pre in _NOT_IMPLEMENTED:
-        raise UnsupportedModelError(f"BPE pre-tokenizer '{pre}' (tokenizer.ggml.pre) is not supported yet")
-    raise UnsupportedModelError(f"unknown BPE pre-tokenizer '{pre}' (tokenizer.ggml.pre)")
+        raise UnsupportedModelError(f"BPE pre-tokenizer {quote(pre)} (tokenizer.ggml.pre) is not supported yet")
+    raise UnsupportedModelError(f"unknown BPE pre-tokenizer {quote(pre)} (tokenizer.ggml.pre)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.errors import MissingMetadataError, UnsupportedModelError
+from tandem.gguf.header import quote
 from tandem.tokenizer.pre_types import PreSpec, pre_spec
 
 # llama_token_attr bits
@@ -95,7 +96,7 @@ def load_vocab(md: Mapping[str, Any]) -> Vocab:
     if model is None:
         raise MissingMetadataError("tokenizer metadata is missing: no 'tokenizer.ggml.model' key")
     if model not in ("llama", "gpt2", "gemma4"):
-        raise UnsupportedModelError(f"tokenizer model '{model}' is not supported (llama, gpt2, gemma4 are)")
+        raise UnsupportedModelError(f"tokenizer model {quote(str(model))} is not supported (llama, gpt2, gemma4 are)")
     tokens = list(md.get(_K + "tokens") or [])
     if not tokens:
         raise MissingMetadataError("tokenizer metadata has no 'tokenizer.ggml.tokens' list")
@@ -124,7 +125,7 @@ def load_vocab(md: Mapping[str, Any]) -> Vocab:
             tokens[i] = text = f"[EMPTY_{i}]"
         if token_to_id.setdefault(text, i) != i:
             first = token_to_id[text]
-            raise UnsupportedModelError(f"duplicate token in vocabulary: {text!r} has ids {first} and {i}")
+            raise UnsupportedModelError(f"duplicate token in vocabulary: {quote(text)} has ids {first} and {i}")
 
     for name, key in _ID_KEYS:
         if ids[name] is not None and ids[name] >= n:  # type: ignore[operator]
