@@ -166,6 +166,30 @@ def matmul_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
     return (a @ b).to(out_dtype)
 
 
+# The block type ggml's CPU dot product with a weight type takes its input in (the type's `vec_dot_type`).
+_GGML_INPUT_Q8_K = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})  # the others of GPU_NATIVE_TYPES take Q8_0
+
+
+def ggml_rounded_input(x: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """x [..., K] rounded as ggml's CPU backend rounds a product's input before its dot product with `qtype`
+    blocks: to Q8_0 (blocks of 32, an f16 scale of max|x| / 127; ggml's x86 `quantize_row_q8_0`) or Q8_K
+    (blocks of 256, an f32 scale of the largest-magnitude value / -127; `quantize_row_q8_K_ref`), and back to
+    floats. The kernels here multiply x as it is: ~1% away from ggml's products on random inputs, where a
+    product computed here stands in for ggml's beside ggml's own (--pcie-experts) it must be the same values."""
+    k_quant = qtype in _GGML_INPUT_Q8_K
+    blocks = x.float().reshape(-1, 256 if k_quant else 32)
+    if k_quant:
+        big = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # the first of largest magnitude
+        iscale = -127.0 / big
+        rounded = torch.round(blocks * iscale).clamp(max=127) * (1.0 / iscale)
+        rounded = torch.where(big == 0, 0.0, rounded)
+    else:
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        inv = torch.where(amax == 0, 0.0, 127.0 / amax)
+        rounded = torch.round(blocks * inv) * (amax / 127.0).half().float()
+    return rounded.view(x.shape).to(x.dtype)
+
+
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """x contiguous and 16-byte aligned: `_qmv` reads x in 32- or 64-bit pairs of values."""
     x = x.contiguous()

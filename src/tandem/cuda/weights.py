@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.cuda.qlinear import GPUQuantWeight, matmul_out, qmatmul, qmatmul_id
+from tandem.cuda.qlinear import GPUQuantWeight, ggml_rounded_input, matmul_out, qmatmul, qmatmul_id
 from tandem.cuda.routing import router_logits
 
 ROUTER_GEMV_MAX_ROWS = 16  # decode batches; larger ones are worth cuBLAS's GEMM
@@ -29,12 +29,17 @@ class GPUQuantLinear:
 class GPUQuantExperts:
     weight: GPUQuantWeight  # [E, N, K]
     ieee: bool
+    # Inputs rounded first as ggml's CPU backend rounds them (`ggml_rounded_input`): experts computed here in
+    # place of ggml's, beside ggml's own, which must give its values (--pcie-experts).
+    ggml_inputs: bool = False
 
     @property
     def out_features(self) -> int:
         return self.weight.n_out
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.ggml_inputs:
+            x = ggml_rounded_input(x, self.weight.qtype)
         return qmatmul_id(x, self.weight, ids, self.ieee)
 
 

@@ -5,13 +5,14 @@ Shapes: T = tokens, D = hidden, E = experts, A = active experts per token, F = e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from tandem.layers.activations import GLU
+from tandem.layers.activations import GLU, ggml_gelu_table
 from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, check_gate_up
@@ -223,6 +224,42 @@ class GLUExperts:
         if self.down_bias is not None:
             out = out + self.down_bias[ids]
         return (out * routing.weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)  # [T, D]
+
+
+@functools.cache
+def _gelu_table_on(device: torch.device) -> torch.Tensor:
+    return ggml_gelu_table().to(device)
+
+
+@dataclass(frozen=True)
+class GGMLValuedGLU:
+    """`inner` giving the values of its ggml op on any device, for experts computed on a GPU in place of ggml's
+    beside ggml's own (--pcie-experts, runtime/offload.py). ggml's GEGLU reads its f16 GELU table, which
+    `gelu_tanh_ggml` reads on the CPU only (on a GPU it is the formula, ~1e-3 away: enough to send a token of a
+    tiny Gemma 4 to other experts); ggml's other gated units are the formulas torch computes."""
+
+    inner: GLU
+    device: torch.device  # where the experts compute (the table is made there at load, before any capture)
+    _table: torch.Tensor | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_table", _gelu_table_on(self.device) if self.inner.ggml == "geglu" else None)
+
+    @property
+    def ggml(self) -> str | None:
+        return self.inner.ggml
+
+    @property
+    def ggml_params(self) -> tuple[float, ...]:
+        return self.inner.ggml_params
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self._table is None:
+            return self.inner(gate, up)
+        g = gate.float()  # as ggml_vec_geglu_f32: the f16 table's entry of g, 0 at or below -10, g at or above 10
+        gelu = self._table[g.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF]
+        gelu = torch.where(g >= 10.0, g, torch.where(g <= -10.0, 0.0, gelu))
+        return gelu.to(gate.dtype) * up
 
 
 def _ggml_weight(experts: Experts | None) -> GGMLWeight | None:

@@ -7,6 +7,7 @@ read back from the weights themselves (`placed`), not from the flags.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -19,7 +20,7 @@ import torch
 from tandem.errors import PlacementError, TandemError, UnsupportedModelError
 from tandem.gguf import GGUFFile, TensorInfo
 from tandem.layers.linear import Experts, GGMLExperts, GGMLLinear, Linear
-from tandem.layers.moe import RoutedExperts
+from tandem.layers.moe import GGMLValuedGLU, GLUExperts, RoutedExperts
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
 from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
@@ -300,7 +301,7 @@ class WeightLoader:
                     f"--pcie-experts: {self.file.path.name} could not be page-locked for the GPU to read "
                     f"({'; '.join(self._notices) or 'no CPU experts to stream'}); run without --pcie-experts"
                 )
-            pcie = build(_PCIeSource(self))
+            pcie = self._pcie_experts(build)
             self._pcie_layers += 1
         offloaded = OffloadedExperts(
             on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH,
@@ -308,6 +309,15 @@ class WeightLoader:
         )  # fmt: skip
         self.host_boundaries.append(offloaded.host)
         return offloaded
+
+    def _pcie_experts(self, build: Callable[[ExpertSource], RoutedExperts]) -> RoutedExperts:
+        """The experts built over device views of their page-locked host blocks (--pcie-experts). They compute
+        some of each token's experts in place of ggml, whose values the split must keep: their inputs are
+        rounded as ggml rounds them before its products and their gated unit gives ggml's values (on random
+        inputs the GPU's own are ~1% away, and tiny models then route tokens elsewhere)."""
+        pcie = build(_PCIeSource(self))
+        assert isinstance(pcie, GLUExperts)  # every model's routed experts
+        return dataclasses.replace(pcie, glu=GGMLValuedGLU(pcie.glu, self.compute_device))
 
 
 def _address(info: TensorInfo) -> int:
@@ -355,7 +365,8 @@ class _PCIeSource:
         from tandem.cuda.weights import GPUQuantExperts
 
         info = self.loader.info(name)
-        return GPUQuantExperts(GPUQuantWeight(self._view(info), info.qtype, info.shape), self.loader.ieee)
+        weight = GPUQuantWeight(self._view(info), info.qtype, info.shape)
+        return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=True)
 
     def vector(self, name: str) -> torch.Tensor:
         info = self.loader.info(name)
