@@ -212,7 +212,7 @@ fi
 [[ -n "$prewarm_pid" ]] && wait "$prewarm_pid" && say "prewarm done"
 
 if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp builds (nothing is timed then)
-  gpu_tests=(tests/test_gpu*.py)
+  gpu_tests=(tests)  # every module: GPU tests live beside their CPU twins (e.g. tests/test_fidelity.py)
   [[ "$GPU_TESTS" == 1 ]] || read -r -a gpu_tests <<<"$GPU_TESTS"
   say "pytest -m gpu ${gpu_tests[*]}"
   "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" "${gpu_tests[@]}" >/tmp/pytest_gpu.log 2>&1

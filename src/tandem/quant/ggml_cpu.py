@@ -351,7 +351,9 @@ class CPUKernels:
         if y.numel() == 0 or ids.shape[1] == 0:
             return y.zero_()
         _check_ids(ids, ffn.down.shape[0])
-        self.gated_experts_into(y, _as_f32(x), ffn, ids, _as_f32(weights))()
+        # named: a converted copy must outlive the compute call, which reads it through a raw pointer
+        x32, w32 = _as_f32(x), _as_f32(weights)
+        self.gated_experts_into(y, x32, ffn, ids, w32)()
         return y
 
     def gated_experts_into(
