@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import gguf
 import numpy as np
@@ -278,6 +279,13 @@ def test_pcie_experts_read_host_blocks_in_place(qtype: gguf.GGMLQuantizationType
     reg.close()
 
 
+def _live_cuda_tensors() -> Counter[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every CUDA tensor Python holds: what a VRAM difference is made of."""
+    import gc
+
+    return Counter((tuple(t.shape), t.dtype) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda)
+
+
 def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--cpu-moe --pcie-experts 3 on a 2-layer synthetic Qwen3-30B-A3B (Q4_K/Q6_K experts, top-8): the plan and
     where the tensors are read back are those of --cpu-moe, loading takes no more VRAM, nothing CPU-planned is
@@ -301,7 +309,7 @@ def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no
         return real_upload(self, info, device)
 
     WeightLoader._upload = spy  # type: ignore[method-assign]
-    runs, loaded_bytes, placed = {}, {}, {}
+    runs, loaded_bytes, placed, live = {}, {}, {}, {}
     try:
         for k, graphs in ((0, True), (3, False), (3, True)):
             torch.cuda.empty_cache()
@@ -309,6 +317,7 @@ def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no
             with tandem.LLM(path, device="cuda", cpu_moe=True, dtype="f32", n_ctx=128, pcie_experts=k,
                             cuda_graphs=graphs) as llm:  # fmt: skip
                 loaded_bytes[k] = torch.cuda.memory_allocated() - base
+                live[k] = _live_cuda_tensors()
                 placed[k] = dict(llm.placed)
                 offloaded = [b.ffn.experts for b in llm.model.blocks if isinstance(b.ffn.experts, OffloadedExperts)]
                 assert len(offloaded) == 2 and all((e.pcie is not None) == (k > 0) for e in offloaded)
@@ -322,7 +331,7 @@ def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no
     cpu_planned = {n for n, d in placed[0].items() if d == "cpu"}
     assert cpu_planned and not cpu_planned & set(uploaded), "a CPU-planned tensor was uploaded"
     assert placed[3] == placed[0]
-    assert loaded_bytes[3] == loaded_bytes[0], loaded_bytes
+    assert loaded_bytes[3] == loaded_bytes[0], (loaded_bytes, live[3] - live[0], live[0] - live[3])
     eager, captured, cpu_only = runs[(3, False)], runs[(3, True)], runs[(0, True)]
     assert (captured - eager).abs().max() <= 1e-5 * eager.abs().max(), (captured - eager).abs().amax(dim=1)
     per_row = (captured - cpu_only).abs().amax(dim=1).tolist()

@@ -133,6 +133,8 @@ def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool
             QT=int(w.qtype), HAS_IDS=True,
         )  # fmt: skip
         return y.view(t, a, n)
+    if not ieee and x2.dtype == torch.float32:  # bf16 operands anyway; every output tile re-reads x: half the bytes
+        x2 = x2.to(torch.bfloat16)
     n_experts = w.shape[0]
     bm = _tile_rows(r, n_experts)
     tile_expert, slots, tiles = _aligned_slots(ids, flat, n_experts, bm)
