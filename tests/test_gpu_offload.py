@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter
 
@@ -281,8 +282,6 @@ def test_pcie_experts_read_host_blocks_in_place(qtype: gguf.GGMLQuantizationType
 
 def _live_cuda_tensors() -> Counter[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of every CUDA tensor Python holds: what a VRAM difference is made of."""
-    import gc
-
     return Counter((tuple(t.shape), t.dtype) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda)
 
 
@@ -312,6 +311,7 @@ def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no
     runs, loaded_bytes, placed, live = {}, {}, {}, {}
     try:
         for k, graphs in ((0, True), (3, False), (3, True)):
+            gc.collect()  # what earlier tests left in reference cycles is freed now, not while this one loads
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
             with tandem.LLM(path, device="cuda", cpu_moe=True, dtype="f32", n_ctx=128, pcie_experts=k,
