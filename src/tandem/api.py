@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tandem.models import architecture, read_config
 from tandem.models.config import ModelConfig
 from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
+from tandem.placement.plan import kv_cache_bytes
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
 from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts, resolve_device
@@ -25,7 +27,7 @@ from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.runtime.loader import WeightLoader
-from tandem.runtime.sampling import Sampler, SamplingParams
+from tandem.runtime.sampling import Sampler, SamplingParams, check_option
 from tandem.tokenizer import Tokenizer
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
 
@@ -78,6 +80,20 @@ def _progress(plan: PlacementPlan, callback: Callable[[int, int], None] | None) 
     return on_tensor
 
 
+def _check_kv_memory(cfg: ModelConfig, shape: RuntimeShape) -> None:
+    """A KV cache larger than this machine's RAM (or the process's address-space limit) would fail in its allocation
+    (the cache of -c 16777216 on a large model): a one-line error before anything is loaded instead."""
+    limit = psutil.virtual_memory().total
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, soft)
+    if (need := kv_cache_bytes(cfg, shape)) > limit:
+        raise TandemError(
+            f"the KV cache of {shape.n_ctx} tokens (-c) needs {need / 2**30:,.1f} GiB, more than the "
+            f"{limit / 2**30:,.1f} GiB of memory: give a smaller -c"
+        )
+
+
 class LLM:
     """A loaded model with one sequence of state (KV cache)."""
 
@@ -118,6 +134,11 @@ class LLM:
         """
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
+        for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("pcie_experts", pcie_experts),
+                            ("n_cpu_moe", n_cpu_moe)):  # fmt: skip
+            check_option(name, value)
+        if threads is not None:
+            check_option("threads", threads)
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
         arch = architecture(self.file)
         for info in self.file.tensors.values():  # a type tandem cannot read first: its shapes mean nothing
@@ -137,6 +158,7 @@ class LLM:
             n_gpu_layers=n_gpu_layers,
         )
         shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
+        _check_kv_memory(self.config, shape)
         self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
         check_executable(self.plan)
         check_pcie_experts(self.plan, self.file, self.config, pcie_experts)

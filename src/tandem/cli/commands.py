@@ -18,6 +18,7 @@ from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.runtime.devices import check_pcie_experts, resolve_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
+from tandem.runtime.sampling import check_option
 from tandem.tokenizer.chat_template import parse_template_variables, read_template_file
 
 
@@ -107,6 +108,21 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+# The numeric flags, by the API option that OPTION_LIMITS (runtime/sampling.py) checks them as.
+_NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "threads", "pcie_experts": "pcie_experts",
+                  "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens", "temp": "temperature", "top_k": "top_k",
+                  "top_p": "top_p", "min_p": "min_p", "repeat_penalty": "repeat_penalty",
+                  "repeat_last_n": "repeat_last_n", "seed": "seed"}  # fmt: skip
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag the command has, in range, before anything is opened (one line naming the flag)."""
+    for attr, option in _NUMERIC_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            check_option(option, value)
+
+
 def _template_options(args: argparse.Namespace) -> dict[str, Any]:
     """--chat-template-file and --chat-template-kwargs as LLM.chat's arguments, checked before the model loads."""
     file, kwargs = args.chat_template_file, args.chat_template_kwargs
@@ -134,6 +150,7 @@ def _write_stream(pieces: Iterable[str], llm: LLM) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_flags(args)
     template = _template_options(args)
     llm = _load(args)
     try:
@@ -155,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
+    check_flags(args)
     template = _template_options(args)
     llm = _load(args)
     llm.apply_chat_template([{"role": "user", "content": "hi"}], **template)  # fail now, not later
@@ -180,6 +198,7 @@ def chat(args: argparse.Namespace) -> int:
 
 def inspect(args: argparse.Namespace) -> int:
     """A dry run: metadata, quant mix and the placement plan, without reading weights or a GPU."""
+    check_flags(args)
     f = open_gguf(args.model or default_model_path())
     cfg = read_config(f)
     request = PlacementRequest.from_flags(device=resolve_device(args.device, args.n_gpu_layers), **_placement(args))
@@ -327,6 +346,7 @@ def synth(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    check_flags(args)
     if args.compare or args.report or args.matrix:
         # Worker processes per engine x placement, a report that survives failures: tandem/bench/compare.py.
         from tandem.bench.compare import run_from_args

@@ -1,6 +1,13 @@
 """Sampling, as llama.cpp's sampler chain: repetition penalty, top-k, top-p, min-p, temperature, then a draw;
 temperature <= 0 means greedy (argmax).
 
+Non-finite logits (NaN or infinity: corrupt weights, an overflow) are an error (`NonFiniteLogitsError`), in greedy
+decoding too, never an arbitrary token. A temperature so small that logits / temperature overflow draws from the
+distribution's limit (the most likely token, or one of the tied most likely ones), not from NaNs.
+
+Every numeric option, of the API, the CLI or a server's request, is checked by `check_option` against one table
+(OPTION_LIMITS), with a message naming the CLI flag.
+
 After the penalty, the filters work on candidates, as llama.cpp's token array: the tokens still in play, most likely
 first. Top-k takes its k from the vocabulary at once, a partial selection: a sort of every logit and masks over all
 of them cost 23 ms per token with Gemma's 262,144 tokens on a 2-core CPU, more than the forward pass. Without
@@ -19,6 +26,57 @@ import torch
 from tandem.errors import TandemError
 
 
+class NonFiniteLogitsError(TandemError):
+    """The model computed NaN or infinite logits."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The values an option may take (inclusive bounds), and the CLI flag that gives it."""
+
+    flag: str
+    lo: float
+    hi: float
+    integer: bool = True
+
+
+# Far above any sensible value, so that a typo or an attack is refused before it allocates (a 10^12-token KV cache,
+# 10^5 OpenMP threads) or overflows (a seed past torch's 64 bits).
+OPTION_LIMITS: dict[str, Limit] = {
+    "temperature": Limit("--temp", -1e9, 1e9, integer=False),
+    "top_k": Limit("--top-k", 0, 2**31 - 1),
+    "top_p": Limit("--top-p", 0.0, 1.0, integer=False),
+    "min_p": Limit("--min-p", 0.0, 1.0, integer=False),
+    "repeat_penalty": Limit("--repeat-penalty", 1e-9, 1e9, integer=False),
+    "repeat_last_n": Limit("--repeat-last-n", -1, 2**31 - 1),
+    "seed": Limit("-s/--seed", -(2**63), 2**64 - 1),  # what torch.Generator.manual_seed takes
+    "max_tokens": Limit("-n/--n-predict", -1, 2**31 - 1),
+    "n_ctx": Limit("-c/--ctx-size", 1, 1 << 24),
+    "n_batch": Limit("-b/--batch-size", 1, 1 << 20),
+    "threads": Limit("-t", -(2**31), 512),  # ggml's GGML_MAX_N_THREADS; 0 and negatives: api.resolve_threads
+    "pcie_experts": Limit("--pcie-experts", 0, 1 << 16),
+    "n_cpu_moe": Limit("--n-cpu-moe", 0, 2**31 - 1),
+}
+
+
+def check_option(name: str, value: object) -> None:
+    """`value` is a number within OPTION_LIMITS[name] (an integer where it must be), else a one-line TandemError
+    naming the option and its flag."""
+    limit = OPTION_LIMITS[name]
+    what = f"{name} ({limit.flag})"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (limit.integer and not isinstance(value, int)):
+        raise TandemError(f"{what} must be {'an integer' if limit.integer else 'a number'}, got {value!r}")
+    assert isinstance(value, (int, float))
+    if not math.isfinite(value):
+        raise TandemError(f"{what} must be finite, got {value}")
+    if value < limit.lo:
+        bound = "positive" if limit.lo == 1 and limit.integer else f">= {limit.lo:g}"
+        raise TandemError(f"{what} must be {bound}, got {value}")
+    if value > limit.hi:
+        raise TandemError(f"{what} must be at most {limit.hi:g}, got {value}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """llama.cpp's defaults; `seed=None` draws a fresh seed."""
@@ -32,6 +90,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
+            check_option(name, getattr(self, name))
+        if self.seed is not None:
+            check_option("seed", self.seed)
         if self.top_k < 0:
             raise TandemError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -133,10 +195,20 @@ class Sampler:
         if p.min_p > 0.0:  # probability at least min_p times the most likely token's
             keep = values >= values.max() + math.log(p.min_p)
             values, ids = values[keep], ids[keep]
-        return torch.softmax(values / p.temperature, dim=0), ids
+        probs = torch.softmax(values / p.temperature, dim=0)
+        if not bool(torch.isfinite(probs).all()):  # logits / temperature overflowed: the limit, the top ones alike
+            top = (values == values.max()).float()
+            probs = top / top.sum()
+        return probs, ids
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         logits = logits.float()
+        if not bool(torch.isfinite(logits).all()):
+            bad = int((~torch.isfinite(logits)).sum())
+            raise NonFiniteLogitsError(
+                f"the model computed {bad} non-finite logits (NaN or infinity) of {logits.numel()}: its weights are "
+                "corrupt or its activations overflowed"
+            )
         if self.params.repeat_penalty != 1.0:
             logits = penalize_repeats(logits, history, self.params.repeat_penalty, self.params.repeat_last_n)
         if self.params.greedy:
