@@ -10,18 +10,16 @@ side of a launch: at each host op the graph sets the op's to-host flag and waits
 flag, and the host runs the op in between (spin on the first flag, compute, set the second). No event round
 trip, and the launches leave the critical path: the step is a graph per host op (cut where it waits for the
 op's result), launched two ahead by the thread that runs the host ops. After host op i it launches graph i + 2
-while the GPU runs graph i + 1, time it would otherwise spend spinning on a flag; a launch costs ~1 µs per node
-(~30 per layer), less than the GPU's part of a layer, so the launches hide in it. Measured on an H200 host
-(Qwen3-30B-A3B --cpu-moe, 17:37): 44.4-45.8 tok/s, where one graph for the whole step (~1,000 nodes, ~2 ms of
-CPU to launch) decoded 37.3 tok/s launched by a helper thread beside ggml's 16 (a 17th runnable thread), and
-the same one graph launched before the first host op, which waits out the launch, 37.5-42.4 in earlier calls.
+while the GPU runs graph i + 1, time it would otherwise spend spinning on a flag; a layer's launches cost less
+than the GPU's part of that layer, so they hide in it. One graph for the whole step was slower: its launch is
+long, and a helper thread to launch it competes with ggml's threads for the cores
+(docs/reports/NOTES-FROM-CODE.md has the measurements).
 
 The host ops stay on the calling thread because ggml computes through OpenMP, in the libgomp torch loads:
 libgomp keeps a team of worker threads per thread that starts parallel regions, and once its threads
 outnumber the CPUs it cuts every barrier's spin to ~100 iterations and puts waiting threads to sleep. A second
-team (ggml's on a helper thread beside the one torch and the eager host ops made on the caller's) made every
-barrier of every expert graph a futex sleep and wake-up: Qwen3-30B-A3B --cpu-moe decoded 25.9 tok/s with the
-host ops on a helper thread and 35.7 with them on the caller's (same H200 host, 15:58).
+team (ggml's on a helper thread beside the one torch and the eager host ops made on the caller's) would make every
+barrier of every expert graph a futex sleep and wake-up, which slows decode by about a quarter.
 """
 
 from __future__ import annotations

@@ -332,8 +332,8 @@ def _nodes_round_as_llamacpp(t: int, s: AttentionShape) -> bool:
     """Whether ggml's float32 attention nodes sum as llama.cpp's f16 ones for t query rows of this shape: always
     for one row; for several, where llama.cpp's products go through tinyBLAS (the summed dimension a multiple of
     16, the other side's rows a multiple of 4). Elsewhere llama.cpp's several-row products use `ggml_vec_dot_f16`,
-    whose tail sums in double where the float32 one sums in float (`_attend_ggml` emulates it: 4 of 12 cases with
-    head size 40 or 72 differed, none of 648 cases of head sizes 64-256, 2026-12-01)."""
+    whose tail sums in double where the float32 one sums in float (`_attend_ggml` emulates it; head sizes that are
+    not multiples of 16 can differ, docs/reports/NOTES-FROM-CODE.md)."""
     return t == 1 or (s.head_dim % _LANES == 0 and s.value_dim % 4 == 0)
 
 

@@ -164,11 +164,11 @@ class CPUKernels:
 
     Threads: this ggml build runs its threads through OpenMP, in the same libgomp as torch. With the
     default (spinning) OMP_WAIT_POLICY, `n_threads` larger than the cores actually free makes every
-    barrier wait out a scheduler time slice (a 2048x2048 product went from 0.2 ms to 20 ms on two
-    busy cores). Give it only free cores, or set OMP_WAIT_POLICY=PASSIVE before torch is imported.
+    barrier wait out a scheduler time slice (a product can take 100x longer). Give it only free cores, or set
+    OMP_WAIT_POLICY=PASSIVE before torch is imported.
     Compute from one thread: libgomp keeps a team of workers per thread that starts parallel regions, and
     once all teams together outnumber the CPUs it cuts every barrier's spin to ~100 iterations and sleeps
-    (a Qwen3-30B-A3B --cpu-moe decode went from 35.7 to 25.9 tok/s with its ggml on a second thread).
+    (decode slows by about a quarter with ggml on a second thread).
     """
 
     def __init__(self, n_threads: int) -> None:

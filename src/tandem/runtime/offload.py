@@ -11,9 +11,8 @@ moves an expert faster than the CPU can compute it for many tokens.
 
 Decode with `--pcie-experts K` (opt-in): the GPU computes K of each token's selected experts by reading their
 blocks in host RAM over PCIe (device views of the page-locked file, no copy, no VRAM) while ggml computes the
-others. Alone, ggml reads host memory at ~55 GB/s; the two readers together at ~67 GB/s, so a layer's experts
-take less time split (H200 host, 16 cores, synthetic Qwen3-30B-A3B, one token: 443 µs per layer on ggml alone,
-365 µs split 5 + 3; `bench/split_experts.py`, 2026-12-01). The weights stay where the plan put them.
+others. The two readers together read host memory faster than ggml alone, so a layer's experts take less time
+split (`bench/split_experts.py` measures it; docs/FLAGS.md). The weights stay where the plan put them.
 """
 
 from __future__ import annotations

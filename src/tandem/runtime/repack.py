@@ -2,10 +2,9 @@
 
 ggml's interleaved Q4_K kernels multiply a stack from a copy in its CPU_REPACK buffer. The copy costs host RAM
 equal to those stacks on top of the file's pages, which stay (prefill streams them to the GPU), and no decode
-gain could be seen on the GPU machine: Qwen3-30B-A3B `--cpu-moe`, tandem alone, the two alternating in one call
-(23:40, H200 host, 16 threads, 2 repetitions per process): repacked 48.7 and 42.6 tok/s, from the file 46.3 and
-50.0. So it stays opt-in. ggml repacks one tensor on one thread (~0.7 GB/s: an 18.5 s load at 23:05), so the
-stacks are repacked by a pool of threads, in layer order, while the layers load (2.3 s at 23:40).
+gain could be seen on the GPU machine (docs/FLAGS.md, `--repack-experts`), so it stays opt-in. ggml repacks one
+tensor on one thread, far slower than loading, so the stacks are repacked by a pool of threads, in layer order,
+while the layers load.
 """
 
 from __future__ import annotations
