@@ -6,8 +6,8 @@ the same at B, ...: the first two run ceil(reps / 2) repetitions, the others the
 engine, one process per row). --process-reps K runs K repetitions per process instead, in as many rounds as
 that takes, the engines' order mirrored from round to round (tandem, llama.cpp, llama.cpp, tandem, tandem,
 ...). A machine's slow spell, or a slow process, then falls on both engines rather than on whichever ran in it:
-on one H200 host tandem's decode varied by 30 % between processes of the same minutes (2026-11-30), and by
-+-8 % in later calls, more than the two engines differ by: more rounds make the ratio tell.
+one engine's decode can vary between processes of the same minutes by more than the two engines differ by, so
+more rounds make the ratio tell.
 Each process loads the model once, warms up once and then runs its repetitions, printing each
 repetition's result as soon as it is measured; the orchestrator keeps those, so a crash, a hang or a kill in
 repetition k leaves the row with the k - 1 repetitions before it (its status says what went wrong, and the

@@ -26,7 +26,7 @@ class SharedExpert:
 
     def __post_init__(self) -> None:
         # w . x in f32 -> [T, 1]. On a GPU, as a router's projection (DenseLinear.logits: its one-kernel GEMV at
-        # decode, where cuBLAS took a cast, a split-K GEMV and its reduction, 11-19 µs per layer on an H200);
+        # decode, where cuBLAS takes a cast, a split-K GEMV and its reduction: several launches for one row);
         # imported only there, as it needs Triton.
         if self.gate.is_cuda:
             from tandem.cuda.weights import DenseLinear

@@ -71,7 +71,7 @@ class _AttentionGraph:
 
 _ATTENTION_GRAPHS: OrderedDict[tuple[int | float, ...], _AttentionGraph] = OrderedDict()
 # From this many positions x query rows the attention runs on all of torch's threads (below, one: a thread's wake-up
-# costs more than its share; at 3,008 positions one thread took 0.84 ms per Gemma 3 270M layer)
+# costs more than its share; above, one thread is too slow for long contexts)
 ATTENTION_THREADED_FROM = 1024
 _MAX_ATTENTION_GRAPHS = 16  # decode needs one per layer geometry and scale; it moves on every 64 positions
 _attention_lock = threading.Lock()
