@@ -134,10 +134,11 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja2's names)
         _check_arguments(args, kwargs)
-        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in (
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        if isinstance(getattr(method, "__self__", None), str) and getattr(method, "__name__", "") in (
             "format", "format_map"
         ):  # fmt: skip
-            _check_format(__obj.__self__)
+            _check_format(method.__self__)
         result = super().call(__context, __obj, *args, **kwargs)
         if (n := _size(result)) is not None:
             _check_size(n, "a call's result")
