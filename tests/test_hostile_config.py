@@ -38,6 +38,7 @@ CASES: dict[str, tuple[str, dict[str, tuple[int, int]], dict[str, list[int]], st
     "ssm_a": ("tiny_qwen35moe_gguf", {}, {"blk.0.ssm_a": [3]}, "ssm value heads is 4"),
     "qkv": ("tiny_qwen35moe_gguf", {}, {"blk.0.attn_qkv.weight": [64, 120]}, "ssm q, k and v size is 128"),
     "shared expert": ("tiny_qwen35moe_gguf", {}, {"blk.1.ffn_down_shexp.weight": [40, 64]}, "shared expert FFN"),
+    "query twice as tall": ("tiny_qwen3_gguf", {}, {"blk.1.attn_q.weight": [64, 256]}, "a gated query"),
     "ffn sizes disagree": ("tiny_qwen3_gguf", {}, {"blk.0.ffn_down.weight": [120, 64]}, "other tensors give FFN size"),
     "expert dims": ("tiny_qwen3moe_gguf", {}, {"blk.1.ffn_up_exps.weight": [128, 30, 8]}, "expert FFN size is 32"),
 }

@@ -180,6 +180,7 @@ def check_tensor_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
         "output_norm.weight": ((width,),),
     }
     layers = [_layer_shapes(cfg, spec) for spec in cfg.layers]
+    gated = getattr(cfg, "delta_net", None) is not None  # Qwen3.5/3.6 and Qwen3-Next: queries carry their gate
     letters: list[dict[str, int]] = [{} for _ in cfg.layers]
     for name, info in f.tensors.items():
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
@@ -194,3 +195,10 @@ def check_tensor_shapes(f: GGUFFile, cfg: ModelConfig) -> None:
         if reasons and None not in reasons:  # the reason given is that of the shape with as many dimensions
             reason = next((r for r in reasons if r and "dimensions" not in r), reasons[0])
             raise GGUFFormatError(f"{f.path.name}: tensor {quote(info.name)} has shape {info.shape}; {reason}")
+        if m is not None and name == "attn_q.weight" and not gated:
+            spec = cfg.layers[int(m.group(1))]
+            if info.shape[0] != (rows := cfg.n_heads * (spec.head_dim or cfg.head_dim)):
+                raise GGUFFormatError(
+                    f"{f.path.name}: tensor {quote(info.name)} has shape {info.shape}; the metadata's heads x head "
+                    f"size is {rows} (axis 0): twice that is a gated query, which {cfg.arch} does not have"
+                )
