@@ -175,14 +175,13 @@ def decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     n_splits: int | None = None,
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Softmax attention of one query q [1, H, D] at position p = positions[0] (a device tensor, never read
     here) over keys [S, G, D] / values [S, G, Dv]: keys j <= p, and p - j < window if given.
 
     scale multiplies q.k; softcap: scores -> tanh(scores / softcap) * softcap; sinks [H]: one extra logit
     per head in the denominator. n_splits (None: enough to fill the GPU at a full buffer) fixes the grid.
-    Returns [1, H, Dv] in `out_dtype` (default q's); no host sync, so it can be captured in a CUDA graph."""
+    Returns [1, H, Dv] in q's dtype; no host sync, so it can be captured in a CUDA graph."""
     _, n_heads, d = q.shape
     n_keys, n_kv, _ = keys.shape
     dv = values.shape[-1]
@@ -200,7 +199,7 @@ def decode_attention(
     part_max = torch.empty(n_heads, n_splits, dtype=f32, device=q.device)
     part_sum = torch.empty(n_heads, n_splits, dtype=f32, device=q.device)
     part_out = torch.empty(n_heads, n_splits, dv, dtype=f32, device=q.device)
-    out = torch.empty(1, n_heads, dv, dtype=out_dtype or q.dtype, device=q.device)
+    out = torch.empty(1, n_heads, dv, dtype=q.dtype, device=q.device)
     window = n_keys if window is None else window
     q32, k32, v32 = (t.element_size() == 4 for t in (q, keys, values))
     _decode_partials[(n_kv * head_blocks, n_splits)](

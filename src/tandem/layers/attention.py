@@ -43,7 +43,7 @@ from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
 from tandem.runtime.kv_cache import LayerKV
 
-HALF_TYPES = (torch.float16, torch.bfloat16)  # a cache in one of these rounds the queries to it on the GPU
+HALF_TYPES = (torch.float16, torch.bfloat16)  # a cache in one of these rounds prefill's queries to it on the GPU
 
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
 RING_DEVICE_TYPES = ("cuda",)
@@ -146,11 +146,7 @@ def attend(
     if q.is_cuda and q.shape[0] == 1:  # decoding: one kernel pair reads p on the device, builds no mask
         from tandem.cuda.decode_attention import decode_attention
 
-        # the query in the cache's half type, as prefill (`_sdpa`): the kernel's products then take the tensor
-        # cores; scores, softmax and sums stay f32 and so does the output
-        qd = q.to(keys.dtype) if keys.dtype in HALF_TYPES else q
-        return decode_attention(qd, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks,
-                                out_dtype=q.dtype)  # fmt: skip
+        return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
