@@ -64,3 +64,12 @@ def test_hostile_config(
     assert main(["run", "-m", str(path), "-p", "hi", "-n", "1", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
+
+
+def test_special_token_id_past_the_vocabulary_is_ignored(tiny_qwen3_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 18's `eos_token_id` 2^32-1: ignored, as llama.cpp ignores a bad special id (it warns), not an error at
+    the first generated token."""
+    parts = GGUFParts.read(tiny_qwen3_gguf[1])
+    parts.metadata["tokenizer.ggml.eos_token_id"] = Value(T.UINT32, 2**32 - 1)
+    path = parts.write(tmp_path / "eos.gguf")
+    assert main(["run", "-m", str(path), "-p", "hi", "-n", "3", "--device", "cpu", "--temp", "0"]) == 0
