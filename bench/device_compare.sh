@@ -38,8 +38,9 @@
 #   LAYERS=N (synth only the first N layers: quick tries)  DEADLINE_S=570 (seconds after start, all included)
 #   SKIP_SETUP=1 (use this machine's python as it is: dry runs on a CPU machine, with DEVICE=cpu)
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
-#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log; or a list of test
-#     files, e.g. GPU_TESTS="tests/test_gpu_offload.py", to run those only)
+#   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log and its whole log in
+#     $OUT/pytest_gpu.log; or a list of test files, e.g. GPU_TESTS="tests/test_gpu_offload.py", to run those only;
+#     GPU_TESTS_S=420 bounds it: the whole suite took ~400 s beside the llama.cpp build on 2026-12-01)
 #   PREWARM=1 (default; 0: off) per preset, a 6-layer copy (`synth --layers 6`) run once untimed (`tandem bench
 #     --matrix n-cpu-moe=half --tg 4 --reps 1`), the presets one after the other once the first model is made:
 #     Triton's compiles and autotuning are per kernel and shape, so the cache then serves the full models
@@ -214,9 +215,12 @@ fi
 if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp builds (nothing is timed then)
   gpu_tests=(tests)  # every module: GPU tests live beside their CPU twins (e.g. tests/test_fidelity.py)
   [[ "$GPU_TESTS" == 1 ]] || read -r -a gpu_tests <<<"$GPU_TESTS"
-  say "pytest -m gpu ${gpu_tests[*]}"
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" "${gpu_tests[@]}" >/tmp/pytest_gpu.log 2>&1
-  say "pytest -m gpu: exit $? ($(grep -E "passed|failed" /tmp/pytest_gpu.log | tail -1))"
+  say "pytest -m gpu ${gpu_tests[*]} (at most ${GPU_TESTS_S:-420} s)"
+  # The log goes straight to $OUT and the run is bounded: a call that runs out of time still brings back what ran.
+  timeout -k 10 "${GPU_TESTS_S:-420}" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" \
+    "${gpu_tests[@]}" >"$OUT/pytest_gpu.log" 2>&1
+  say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
+  ln -sf "$OUT/pytest_gpu.log" /tmp/pytest_gpu.log
   grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
   # Each failure's header, its location and its E lines (a whole traceback would push the others out of the tail).
   grep -q "^FAILED" /tmp/pytest_gpu.log && sed -n '/= FAILURES =/,/= PASSES =/p' /tmp/pytest_gpu.log |
