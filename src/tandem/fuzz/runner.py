@@ -134,7 +134,10 @@ def campaign(
 ) -> Report:  # fmt: skip
     """`mutants` cases from `seeds` (GGUF files) under random seed `seed`: 80 % GGUF mutants, 10 % templates, 10 %
     flags; stops early after `budget` seconds. Findings are saved under `findings_dir` (the file and its command)."""
-    import tandem.cli.commands  # noqa: F401 (imported once here, not in every child)
+    # Imported once here, not in every child: faster, and every child runs the same code (a child importing a
+    # module that is being edited in the working tree would test a half-written file).
+    import tandem.cli.commands
+    import tandem.cli.main  # noqa: F401
 
     rng = random.Random(seed)
     parsed = [(path, GGUFParts.read(path)) for path in seeds]
