@@ -114,5 +114,29 @@ def test_render_errors_are_one_line(template: str, pattern: str) -> None:
 def test_missing_template() -> None:
     assert chat_template_from_metadata({"tokenizer.ggml.model": "llama"}) is None
     assert chat_template_from_metadata({"tokenizer.chat_template": CHATML}) == CHATML
-    with pytest.raises(ChatTemplateError, match=r"^model has no chat template \(tokenizer.chat_template\); use `run`"):
+    with pytest.raises(ChatTemplateError, match=r"^model has no chat template \(tokenizer.chat_template\) and tandem"):
         render_chat(None, MESSAGES)
+
+
+def test_builtin_templates_render_their_families_formats() -> None:
+    """The built-ins as the families' own templates render plain conversations: ChatML as the tiny Qwen's template
+    (transformers' ChatML), Gemma as the tiny Gemma's (Gemma 3's format), Qwen3's empty thinking block on request."""
+    from tiny_models import CHATML_TEMPLATE, GEMMA_TEMPLATE
+
+    from tandem.tokenizer.builtin_templates import BUILTIN_TEMPLATES, arch_template_name, builtin_template
+
+    plain = [{"role": "user", "content": "Hi! "}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Bye"}]  # fmt: skip
+    with_system = [{"role": "system", "content": "Be brief."}, *plain]
+    for name, reference in (("chatml", CHATML_TEMPLATE), ("gemma", GEMMA_TEMPLATE), ("qwen3", CHATML_TEMPLATE)):
+        for messages in (plain, with_system):
+            ours = render_chat(builtin_template(name), messages, bos_token="<bos>")
+            assert ours == render_chat(reference, messages, bos_token="<bos>"), name
+    thinking_off = render_chat(BUILTIN_TEMPLATES["qwen3"], plain, enable_thinking=False)
+    assert thinking_off == render_chat(CHATML, plain) + "<think>\n\n</think>\n\n"
+    llama3 = render_chat(builtin_template("llama3"), plain[:1], bos_token="<|begin_of_text|>")
+    assert llama3 == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n")  # fmt: skip
+    assert arch_template_name("gemma3") == "gemma" and arch_template_name("gpt-oss") is None
+    with pytest.raises(ChatTemplateError, match="not a built-in template"):
+        builtin_template("alpaca")

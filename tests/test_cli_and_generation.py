@@ -114,12 +114,63 @@ def test_cli_chat_is_multi_turn(tiny_qwen3_gguf: tuple[Path, Path]) -> None:
     assert proc.stdout.count("> ") >= 2  # two turns answered, then the empty line ends the session
 
 
-def test_chat_without_template_is_a_clear_error(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:
+def test_chat_without_template_of_a_family_without_builtin_is_a_clear_error(
+    tiny_gpt_oss_gguf: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A gpt-oss file stripped of its template: no built-in reproduces harmony, so chatting says what to do."""
+    from tandem.fuzz.gguf_edit import GGUFParts
+
+    parts = GGUFParts.read(tiny_gpt_oss_gguf[1])
+    del parts.metadata["tokenizer.chat_template"]
+    path = tmp_path / "no-template.gguf"
+    parts.write(path)
+    with tandem.LLM(path, threads=2, n_ctx=128) as llm:
+        assert llm.builtin_chat_template is None
+        with pytest.raises(ChatTemplateError, match="no chat template .* --chat-template NAME"):
+            llm.chat([{"role": "user", "content": "hi"}])
+        assert llm.apply_chat_template([{"role": "user", "content": "hi"}], chat_template_name="chatml") == (
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+
+def test_bundled_model_chats_on_the_builtin_gemma_template() -> None:
+    """The bundled Gemma 3 270M carries no template: chats render Gemma's turn format (system joined to the first
+    user turn), and the turn markers are the vocabulary's special tokens."""
     from tandem.api import default_model_path
 
-    with pytest.raises(ChatTemplateError, match="no chat template"):
-        with tandem.LLM(default_model_path(), threads=2, n_ctx=128) as llm:  # Gemma 3 270M has none
-            llm.chat([{"role": "user", "content": "hi"}])
+    with tandem.LLM(default_model_path(), threads=2, n_ctx=256) as llm:
+        assert llm.builtin_chat_template == "gemma"
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi "},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]  # fmt: skip
+        prompt = llm.apply_chat_template(messages)
+        assert prompt == (
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+            "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        )
+        ids = llm.tokenizer.encode(prompt, add_special=False)
+        turn = llm.tokenizer.encode("<start_of_turn>", add_special=False)
+        assert len(turn) == 1 and ids.count(turn[0]) == 4
+        reply = llm.chat(messages[1:2], max_tokens=4, temperature=0)
+        assert isinstance(reply, str) and reply
+
+
+def test_cli_chat_template_flags(tmp_path: Path) -> None:
+    """run --chat on the bundled model: a notice names the built-in template; --chat-template picks one; a wrong name,
+    two templates at once or the flag without --chat are one-line errors before loading."""
+    base = [sys.executable, "-m", "tandem.cli.main", "run", "-p", "Hi", "-n", "2", "--temp", "0", "-t", "2"]
+    ok = subprocess.run([*base, "--chat"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "using tandem's built-in 'gemma'" in ok.stderr
+    picked = subprocess.run([*base, "--chat", "--chat-template", "chatml"], capture_output=True, text=True, timeout=300)
+    assert picked.returncode == 0 and "built-in 'gemma'" not in picked.stderr, picked.stderr
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    for extra, message in [
+        (["--chat", "--chat-template", "nope"], "--chat-template 'nope': not a built-in template"),
+        (["--chat", "--chat-template", "gemma", "--chat-template-file", str(tmp_path / "t.jinja")], "give one"),
+        (["--chat-template", "gemma"], "--chat-template needs --chat"),
+    ]:
+        bad = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
 
 def test_cli_bench_json(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,8 +188,9 @@ GEMMA_TURNS = (
 
 
 def test_chat_template_file_for_a_model_without_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The bundled Gemma 3 270M has no template: --chat-template-file (llama.cpp's flag) gives it one, and the
-    error without it names the flag. An unreadable file is one line, exit 2, before the model loads."""
+    """The bundled Gemma 3 270M has no template: --chat-template-file (llama.cpp's flag) gives it one, used instead
+    of the built-in one (which renders a one-turn chat the same, so the replies match). An unreadable file is one
+    line, exit 2, before the model loads."""
     from tandem.api import default_model_path
 
     template = tmp_path / "gemma.jinja"
@@ -149,8 +201,7 @@ def test_chat_template_file_for_a_model_without_one(tmp_path: Path, capsys: pyte
             "<bos><start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
         )
         reply = llm.chat(msgs, chat_template=GEMMA_TURNS, max_tokens=6, temperature=0)
-        with pytest.raises(ChatTemplateError, match="--chat-template-file FILE"):
-            llm.chat(msgs, max_tokens=1)
+        assert llm.chat(msgs, max_tokens=6, temperature=0) == reply
     base = ["run", "--chat", "-p", "Name a colour.", "-n", "6", "--temp", "0", "-t", "2", "-c", "128"]
     assert main([*base, "--chat-template-file", str(template)]) == 0
     assert capsys.readouterr().out == reply + "\n"

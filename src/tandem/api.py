@@ -29,6 +29,7 @@ from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.runtime.loader import WeightLoader
 from tandem.runtime.sampling import Sampler, SamplingParams, check_option
 from tandem.tokenizer import Tokenizer
+from tandem.tokenizer.builtin_templates import arch_template_name, builtin_template
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
 
 
@@ -264,14 +265,16 @@ class LLM:
         messages: list[dict[str, str]],
         chat_template_kwargs: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
+        chat_template_name: str | None = None,
         **sampling: Any,
     ) -> str | Iterator[str]:
-        """Render `messages` with the model's chat template, or `chat_template` (Jinja text) instead
-        (`chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False}), and generate the
-        assistant's reply."""
+        """Render `messages` with the model's chat template, or `chat_template` (Jinja text) or the built-in
+        `chat_template_name` instead (`chat_template_kwargs`: extra template variables, e.g.
+        {"enable_thinking": False}), and generate the assistant's reply."""
         prompt = self.apply_chat_template(
-            messages, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template
-        )
+            messages, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
+            chat_template_name=chat_template_name,
+        )  # fmt: skip
         ids = self.tokenizer.encode(prompt, add_special=False)
         if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
             ids = [self.tokenizer.bos_id, *ids]
@@ -283,10 +286,20 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
+        chat_template_name: str | None = None,
     ) -> str:
-        """The prompt text of `messages` in the model's chat template (from the GGUF metadata), or in
-        `chat_template` (Jinja text, as llama.cpp's --chat-template-file) when given."""
-        template = chat_template if chat_template is not None else chat_template_from_metadata(self.file.metadata)
+        """The prompt text of `messages` in `chat_template` (Jinja text, as llama.cpp's --chat-template-file) when
+        given, else in the built-in template `chat_template_name` (--chat-template NAME), else in the model's own
+        (the GGUF's `tokenizer.chat_template`), else in the built-in template of its architecture
+        (`builtin_chat_template`)."""
+        if chat_template is not None:
+            template: str | None = chat_template
+        elif chat_template_name is not None:
+            template = builtin_template(chat_template_name)
+        else:
+            own = chat_template_from_metadata(self.file.metadata)
+            fallback = self.builtin_chat_template
+            template = own if own is not None else builtin_template(fallback) if fallback else None
         return render_chat(
             template,
             messages,
@@ -295,6 +308,14 @@ class LLM:
             eos_token=self.tokenizer.piece_text(self.tokenizer.eos_id),
             **template_variables(chat_template_kwargs),
         )
+
+    @property
+    def builtin_chat_template(self) -> str | None:
+        """The name of the built-in template chats use when the file carries no template of its own (by its
+        architecture; None where the file has one, or where no built-in fits its family)."""
+        if chat_template_from_metadata(self.file.metadata) is not None:
+            return None
+        return arch_template_name(self.config.arch)
 
     def close(self) -> None:
         """Release the kernels' thread pool; the object is unusable afterwards."""

@@ -19,6 +19,7 @@ from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_
 from tandem.runtime.devices import check_pcie_experts, resolve_device
 from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.runtime.sampling import check_option
+from tandem.tokenizer.builtin_templates import builtin_template
 from tandem.tokenizer.chat_template import parse_template_variables, read_template_file
 
 
@@ -125,14 +126,27 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def _template_options(args: argparse.Namespace) -> dict[str, Any]:
     """--chat-template-file and --chat-template-kwargs as LLM.chat's arguments, checked before the model loads."""
-    file, kwargs = args.chat_template_file, args.chat_template_kwargs
-    if args.command == "run" and not args.chat and (file is not None or kwargs is not None):
-        flag = "--chat-template-file" if file is not None else "--chat-template-kwargs"
-        raise TandemError(f"{flag} needs --chat (it concerns the chat template)")
+    file, kwargs, name = args.chat_template_file, args.chat_template_kwargs, args.chat_template
+    given = {"--chat-template-file": file, "--chat-template-kwargs": kwargs, "--chat-template": name}
+    if args.command == "run" and not args.chat and (flags := [f for f, v in given.items() if v is not None]):
+        raise TandemError(f"{flags[0]} needs --chat (it concerns the chat template)")
+    if file is not None and name is not None:
+        raise TandemError("--chat-template and --chat-template-file both name a template: give one")
+    if name is not None:
+        builtin_template(name)  # an unknown name fails before the model loads
     return {
         "chat_template": read_template_file(file) if file is not None else None,
+        "chat_template_name": name,
         "chat_template_kwargs": parse_template_variables(kwargs) if kwargs is not None else None,
     }
+
+
+def _template_notice(llm: LLM, template: dict[str, Any]) -> None:
+    """One line on stderr when the chat runs on tandem's built-in template because the file carries none."""
+    fallback = llm.builtin_chat_template
+    if fallback is not None and template["chat_template"] is None and template["chat_template_name"] is None:
+        print(f"notice: the model has no chat template; using tandem's built-in '{fallback}' "
+              "(--chat-template NAME or --chat-template-file FILE to choose another)", file=sys.stderr)  # fmt: skip
 
 
 def _write_stream(pieces: Iterable[str], llm: LLM) -> str:
@@ -159,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             if args.system_prompt:
                 messages.append({"role": "system", "content": args.system_prompt})
             messages.append({"role": "user", "content": args.prompt})
+            _template_notice(llm, template)
             pieces = llm.chat(
                 messages, **template, max_tokens=args.n_predict, stream=True, **_sampling(args)
             )
@@ -176,6 +191,7 @@ def chat(args: argparse.Namespace) -> int:
     template = _template_options(args)
     llm = _load(args)
     llm.apply_chat_template([{"role": "user", "content": "hi"}], **template)  # fail now, not later
+    _template_notice(llm, template)
     messages: list[dict[str, str]] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})

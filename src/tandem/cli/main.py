@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tandem.errors import TandemError
+from tandem.tokenizer.builtin_templates import BUILTIN_TEMPLATES
 
 EXIT_USER_ERROR = 2
 MAX_MESSAGE = 1000  # a message echoes paths, names and values: cut, so that it stays one line
@@ -125,6 +126,12 @@ def _add_compare_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME",
+        help=f"a built-in chat template instead of the model's ({', '.join(BUILTIN_TEMPLATES)})",
+    )
     p.add_argument(
         "--chat-template-file",
         default=None,

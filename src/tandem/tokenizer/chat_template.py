@@ -27,8 +27,9 @@ from tandem.gguf.header import one_line
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 MISSING_TEMPLATE = (
-    "model has no chat template (tokenizer.chat_template); use `run` without --chat, or give one with "
-    "--chat-template-file FILE (API: chat_template=)"
+    "model has no chat template (tokenizer.chat_template) and tandem has none for its family; use `run` without "
+    "--chat, pick a built-in one with --chat-template NAME, or give one with --chat-template-file FILE "
+    "(API: chat_template_name=, chat_template=)"
 )
 
 
