@@ -57,12 +57,10 @@ def initialise_vector_math() -> None:
     """Make torch's first MKL vector-math call of the process on one element, before any parallel one.
 
     torch's CPU tanh, exp and the like call MKL's vector math library (VML). The first VML call of a process,
-    when torch splits it over OpenMP threads, sometimes computes one thread's share less accurately (torch
-    2.13 / MKL 2024.2, 2 threads, OMP_WAIT_POLICY=PASSIVE: up to 5.2e-5 relative error for tanh in ~11 % of
-    fresh processes, 1.8e-5 for exp in ~5 %); later calls were exact. tandem's first VML call is usually
-    Gemma's final logit softcap: on the tiny Q8_0 Gemma 4, the 7-token prefill of ~2.5 % of fresh processes
-    was 9e-5 from llama.cpp instead of 1.2e-7. A call on one element runs without a parallel region and
-    leaves VML initialised for the process (docs/gemma4_gelu.md)."""
+    when torch splits it over OpenMP threads, sometimes computes one thread's share less accurately; later calls
+    are exact. tandem's first VML call is usually Gemma's final logit softcap, so some fresh processes drifted from
+    llama.cpp. A call on one element runs without a parallel region and leaves VML initialised for the process
+    (docs/gemma4_gelu.md; the measured rates in docs/reports/NOTES-FROM-CODE.md)."""
     torch.tanh(torch.zeros(1))
 
 

@@ -10,7 +10,7 @@ Every numeric option, of the API, the CLI or a server's request, is checked by `
 
 After the penalty, the filters work on candidates, as llama.cpp's token array: the tokens still in play, most likely
 first. Top-k takes its k from the vocabulary at once, a partial selection: a sort of every logit and masks over all
-of them cost 23 ms per token with Gemma's 262,144 tokens on a 2-core CPU, more than the forward pass. Without
+of them cost more than the forward pass with Gemma's 262,144 tokens on a small CPU. Without
 top-k, top-p widens its selection until it holds the mass it keeps. The draw is over the candidates
 left, with the probabilities the masked full-vocabulary chain gives them.
 """
