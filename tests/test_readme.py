@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.cli.main import build_parser
@@ -23,9 +24,8 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def readme_flags(text: str) -> dict[str, set[str]]:
-    """command -> the flags the README's flag tables give it."""
-    by_command: dict[str, set[str]] = {}
+def flag_rows(text: str) -> Iterator[tuple[str, list[str]]]:
+    """(line, cells) of every row of the README's flag tables (those under HEADER), separator rows left out."""
     in_table = False
     for line in text.splitlines():
         if not line.lstrip().startswith("|"):
@@ -34,9 +34,14 @@ def readme_flags(text: str) -> dict[str, set[str]]:
         cells = _cells(line)
         if cells == HEADER:
             in_table = True
-            continue
-        if not in_table or set(line.replace("|", "").strip()) <= set("-: "):
-            continue  # another table, or the separator row
+        elif in_table and not set(line.replace("|", "").strip()) <= set("-: "):
+            yield line, cells
+
+
+def readme_flags(text: str) -> dict[str, set[str]]:
+    """command -> the flags the README's flag tables give it."""
+    by_command: dict[str, set[str]] = {}
+    for line, cells in flag_rows(text):
         flags = FLAG.findall(cells[0].replace("`", " "))
         assert flags, f"README flag table row without a flag: {line!r}"
         for command in (c.strip() for c in cells[1].split(",")):
@@ -79,16 +84,8 @@ def test_readme_flag_tables_match_the_cli() -> None:
 def test_readme_flag_cells_are_one_sentence() -> None:
     """A flag's meaning is one sentence; its details belong in docs/FLAGS.md."""
     long = []
-    in_table = False
-    for line in README.read_text(encoding="utf-8").splitlines():
-        if not line.lstrip().startswith("|"):
-            in_table = False
-            continue
-        cells = _cells(line)
-        if cells == HEADER:
-            in_table = True
-            continue
-        if in_table and len(cells) == 3 and not set(cells[2]) <= set("-: "):
+    for _, cells in flag_rows(README.read_text(encoding="utf-8")):
+        if len(cells) == 3:
             meaning = re.sub(r"`[^`]*`", "x", cells[2])  # code spans may hold dots
             sentences = [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", meaning) if s.strip()]
             if len(sentences) > 1 or len(cells[2]) > 200:
