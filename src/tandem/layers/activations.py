@@ -41,9 +41,14 @@ def _gelu_tanh_ggml(x: torch.Tensor) -> torch.Tensor:
     tokens depend on it. On a GPU this is the formula (torch's fused kernel)."""
     if x.is_cuda:
         return F.gelu(x, approximate="tanh")
+    return gelu_from_table(x, ggml_gelu_table())
+
+
+def gelu_from_table(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """ggml's table GELU of x, with `table` (`ggml_gelu_table`) on x's device."""
     x32 = x.float()
     index = x32.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    y = ggml_gelu_table()[index]
+    y = table[index]
     y = torch.where(x32 >= 10.0, x32, y)
     y = torch.where(x32 <= -10.0, torch.zeros_like(y), y)
     return y.to(x.dtype)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.layers.activations import GLU, ggml_gelu_table
+from tandem.layers.activations import GLU, gelu_from_table, ggml_gelu_table
 from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, check_gate_up
@@ -256,10 +256,7 @@ class GGMLValuedGLU:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self._table is None:
             return self.inner(gate, up)
-        g = gate.float()  # as ggml_vec_geglu_f32: the f16 table's entry of g, 0 at or below -10, g at or above 10
-        gelu = self._table[g.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF]
-        gelu = torch.where(g >= 10.0, g, torch.where(g <= -10.0, 0.0, gelu))
-        return gelu.to(gate.dtype) * up
+        return gelu_from_table(gate, self._table) * up  # as ggml_vec_geglu_f32
 
 
 def _ggml_weight(experts: Experts | None) -> GGMLWeight | None:
