@@ -43,8 +43,6 @@ from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
 from tandem.runtime.kv_cache import LayerKV
 
-HALF_TYPES = (torch.float16, torch.bfloat16)  # a cache in one of these rounds prefill's queries to it on the GPU
-
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
 RING_DEVICE_TYPES = ("cuda",)
 
@@ -192,7 +190,7 @@ def _sdpa(
     `allowed` [T, S], or causal (T == S) without it. With a half-precision cache the queries are rounded to the
     cache's type, as llama.cpp's flash attention rounds them (its scores and softmax stay f32 inside the kernel),
     so that the flash kernel runs: float32 queries would take torch's slow math path."""
-    work = keys.dtype if keys.dtype in HALF_TYPES else q.dtype
+    work = keys.dtype if keys.dtype in (torch.float16, torch.bfloat16) else q.dtype
     out = F.scaled_dot_product_attention(
         q.to(work).transpose(0, 1).unsqueeze(0),
         keys.to(work).transpose(0, 1).unsqueeze(0),
