@@ -108,7 +108,7 @@ def main() -> None:
     )
     for name, fn in overhead:
         rows.append(("32x32 T=1 (overhead)", name, median_time(fn) * 1e6, "", ""))
-    # One token's embedding row from a Q4_K table in host RAM (the decode step's lookup, runtime/loader.py).
+    # One token's embedding row from a Q4_K table in host RAM (the decode step's lookup, weights/loader.py).
     one = torch.tensor([7])
     lookups = (
         ("ggml get_rows", lambda: kernels.get_rows(w, one)),

@@ -4,7 +4,7 @@
 
 A chain of `--ops` host ops, each fed by a small GPU op on the previous one's result ([1, width] bf16 + 1, as a
 layer feeds its experts) and doing no work on the host (it hands its input back), captured the way the decode
-step is (cuda/graphs.py SegmentedGraph over runtime/offload.py HostCall): `flags` (a graph per host op, launched
+step is (cuda/graphs.py SegmentedGraph over weights/offload.py HostCall): `flags` (a graph per host op, launched
 two ahead by this thread, which runs the host ops and hands over through page-locked flags: the default) and
 `in-order` (the graphs and host ops replayed in order, each host op waiting for an event: TANDEM_HOST_FLAGS=0).
 The same chain without host ops, as one graph, is the floor. Prints µs per step and, over the floor, per
@@ -23,7 +23,7 @@ import time
 import torch
 
 from tandem.cuda.graphs import SegmentedGraph
-from tandem.runtime.offload import HOST_FLAGS_ENV, HostCall
+from tandem.weights.offload import HOST_FLAGS_ENV, HostCall
 
 ARRANGEMENTS = {"flags": "1", "in-order": "0"}  # TANDEM_HOST_FLAGS
 

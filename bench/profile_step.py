@@ -35,7 +35,7 @@ import tandem
 from tandem.cuda.host_memory import HostRegistration
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.runtime.offload import HOST_FLAGS_ENV
+from tandem.weights.offload import HOST_FLAGS_ENV
 
 PLACEMENTS = {
     "cpu-moe": {"cpu_moe": True},
@@ -110,7 +110,8 @@ def _step_breakdown(llm: tandem.LLM, n: int) -> str:
     (CPU time of `CUDAGraph.replay`) and the host steps (waiting for the GPU's hand-over, then ggml, see
     _host_share). With a step in segments replayed in order, also the GPU time of the segments (CUDA
     events around each; a one-graph step waits on the host inside its graph, so its GPU time is the step)."""
-    graph = getattr(llm.engine._decode_graph, "graph", None)
+    captured = llm.engine.runner.captured(1)
+    graph = captured.graph if captured is not None else None
     if graph is None:
         return "(no captured decode step)"
     steps, host_steps = list(graph.steps), list(graph.host_steps)

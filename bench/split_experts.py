@@ -26,7 +26,7 @@ import torch
 import tandem
 from tandem.layers.moe import RoutedExperts, Routing
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
-from tandem.runtime.offload import OffloadedExperts
+from tandem.weights.offload import OffloadedExperts
 
 
 def _layers(llm: tandem.LLM) -> list[tuple[CPUKernels, ExpertFFN, RoutedExperts]]:

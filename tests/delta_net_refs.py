@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.delta_net import DeltaNetShape, DeltaNetState, FusedBetaAlpha, GatedDeltaNet, SplitBetaAlpha
+from tandem.layers.delta_net import (
+    DeltaNetPool,
+    DeltaNetShape,
+    DeltaNetState,
+    FusedBetaAlpha,
+    GatedDeltaNet,
+    SplitBetaAlpha,
+)
+from tandem.state.batch import SeqSpan, StepBatch
 
 HIDDEN = 8  # the layer input's width: the fixed projections ignore it
 
@@ -82,7 +90,7 @@ def set_inputs(layer: GatedDeltaNet, g: torch.Generator) -> None:
 def random_state(shape: DeltaNetShape, device: str, seed: int) -> DeltaNetState:
     """A state in the middle of a sequence: earlier conv inputs and a recurrent state of O(1) entries."""
     g = torch.Generator().manual_seed(seed)
-    state = DeltaNetState.allocate(shape, "cpu")
+    state = DeltaNetPool.allocate(1, shape, "cpu").slot(0)
     state.conv.copy_(torch.randn(state.conv.shape, generator=g) * 2.0)
     state.ssm.copy_(torch.randn(state.ssm.shape, generator=g))
     return DeltaNetState(state.conv.to(device), state.ssm.to(device))
@@ -129,3 +137,21 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
         _, e = torch.frexp(ref)
         bound = bound + torch.ldexp(torch.ones_like(ref), e - bits)
     assert bool((err <= bound).all()), f"{what}: max excess {(err / bound).max().item():.3g}"
+
+
+def step(layer: GatedDeltaNet, x: torch.Tensor, state: DeltaNetState, pooled: bool = False) -> torch.Tensor:
+    """`layer` over x [T, D] continuing one sequence's `state`, as the runner calls it: a one-slot pool around
+    the state (views: the step updates `state` itself), then the position count. `pooled`: a decode step the
+    way a GPU runs it (every row by slot, the fused kernels), else the sequence's own path."""
+    t = x.shape[0]
+    pool = DeltaNetPool(state.conv.unsqueeze(0), state.ssm.unsqueeze(0), [state])
+    batch = StepBatch(
+        ids=torch.zeros(t, dtype=torch.long),
+        positions=torch.arange(state.length, state.length + t, device=x.device),
+        spans=(SeqSpan(0, state.length, t, 0),),
+        decode=t == 1,
+        slots=torch.zeros(1, dtype=torch.long, device=x.device) if pooled else None,
+    )
+    out = layer(x, batch, pool)
+    state.length += x.shape[0]
+    return out

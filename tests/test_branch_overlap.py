@@ -77,7 +77,7 @@ def test_pcie_experts_split_each_tokens_experts(tiny_qwen3moe_gguf: tuple[object
     the last K on the GPU reader between the host op's start and its result, and adds the two. Here both sides
     are the layer's CPU experts (the host op run in place), so the sum must equal all A experts at once, up to
     float32 rounding of the split sum; that the GPU reader reads host blocks exactly: tests/test_gpu_offload.py."""
-    from tandem.runtime.offload import OffloadedExperts
+    from tandem.weights.offload import OffloadedExperts
 
     with tandem.LLM(tiny_qwen3moe_gguf[1], device="cpu", cache_type="f32", threads=1, n_ctx=64) as llm:
         moe = next(b.ffn for b in llm.model.blocks if hasattr(b.ffn, "experts"))

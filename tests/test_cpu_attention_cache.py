@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tandem.layers.attention import AttentionShape, _attend_ggml_nodes
-from tandem.runtime.kv_cache import LayerKV
+from tandem.state.kv_cache import KVPool, LayerKV
 
 SHAPE = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=64, value_dim=64, scale=0.125, sliding_window=None)
 
@@ -26,7 +26,7 @@ def _step(cache: LayerKV, position: int, g: torch.Generator) -> tuple[torch.Tens
 
 def test_kept_float32_rows_give_the_per_step_values() -> None:
     g = torch.Generator().manual_seed(0)
-    cache = LayerKV.allocate(2048, 2, 64, 64, torch.float16, "cpu")
+    cache = KVPool.allocate(1, 2048, 2, 64, 64, torch.float16, "cpu").slot(0)
     for position in [*range(0, 70), *range(40, 140), *range(1000, 1100)]:  # 40..: an overwrite; 1000..: a jump
         if position == 1000:  # positions 140..999 written without a decode step reading them (prefill)
             cache.store(140, torch.randn(860, 2, 64, generator=g), torch.randn(860, 2, 64, generator=g))

@@ -28,7 +28,7 @@ from tandem.layers.linear import GGMLLinear
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_tiled import TILED_ARITHMETIC, TiledQ6K, fma32, quantize_q8_k
 from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight
-from tandem.runtime.loader import WeightLoader
+from tandem.weights.loader import WeightLoader
 
 # The types ggml repacks on x86 with AVX2 (rows a multiple of 8); Q2_K needs AVX-512.
 REPACKED_X86 = [Q.Q4_K, Q.Q4_0, Q.IQ4_NL, Q.MXFP4]

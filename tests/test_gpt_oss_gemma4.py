@@ -214,7 +214,7 @@ def test_gemma4_gguf_layout_and_parallel_ffn(tiny_gemma4_gguf: tuple[Path, Path]
     freqs = f.tensors["rope_freqs.weight"].data.view("<f4")
     assert list(freqs[:4]) == [1.0] * 4 and (freqs[4:] == 1e30).all()
     with tandem.LLM(tiny_gemma4_gguf[1], cache_type="f32", threads=1, n_ctx=64) as llm:
-        cache = llm.model.new_cache(64, torch.float32, 64)
+        cache = llm.model.new_pool(1, 64, torch.float32, 64).caches[0]
         assert [tuple(kv.k.shape[1:]) for kv in cache.layers] == [(2, 16), (1, 32), (2, 16), (1, 32)]
         block = llm.model.blocks[1]
         assert isinstance(block.ffn, ParallelFFN) and block.ffn_norm is None

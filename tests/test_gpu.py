@@ -153,11 +153,10 @@ def test_moe_archs_decode_is_captured(fixture: str, request: pytest.FixtureReque
     """Every one of these architectures gets a captured decode step on a GPU (recurrent layers included)."""
     path = request.getfixturevalue(fixture)[1]
     with tandem.LLM(path, device="cuda", cache_type="f32", dtype="f32", n_ctx=128) as llm:
-        graph = llm.engine._decode_graph
         mixers = sorted({type(b.mixer).__name__ for b in llm.model.blocks})
-        assert graph is not None, f"{fixture}: no CUDA graph for the decode step (mixers: {mixers})"
+        assert llm.engine.runner.capturable, f"{fixture}: no CUDA graph for the decode step (mixers: {mixers})"
         llm.generate_ids(_prompt(9, 1), max_tokens=4, temperature=0)
-        assert graph.graph is not None, f"{fixture}: the decode step was never captured"
+        assert llm.engine.runner.captured(1) is not None, f"{fixture}: the decode step was never captured"
 
 
 def _chat_logits(path: Path, graphs: bool, flags: dict) -> tuple[torch.Tensor, list[str]]:
@@ -176,8 +175,8 @@ def _chat_logits(path: Path, graphs: bool, flags: dict) -> tuple[torch.Tensor, l
     logits = []
     with tandem.LLM(path, cache_type="f32", dtype="f32", cuda_graphs=graphs, n_ctx=256, **flags) as llm:
         engine = llm.engine
-        if graphs and engine._decode_graph is None:
-            problems.append("no decode graph")
+        if graphs != engine.runner.capturable:
+            problems.append(f"decode graphs {engine.runner.capturable}, asked for {graphs}")
         recurrent = [layer for layer in engine.cache.layers if isinstance(layer, DeltaNetState)]
         pointers = [(s.conv.data_ptr(), s.ssm.data_ptr()) for s in recurrent]
         for turn, (prompt, steps) in enumerate(script):
@@ -214,7 +213,7 @@ def test_graph_decode_logits_match_eager_across_turns(fixture: str, name: str, r
 
 @pytest.mark.parametrize("flags", [{"cpu_moe": True}, {"n_cpu_moe": 1}], ids=["cpu-moe", "n-cpu-moe-1"])
 def test_vram_guarantee(tiny_qwen3moe_gguf: tuple[Path, Path], flags: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tandem.runtime.loader import WeightLoader
+    from tandem.weights.loader import WeightLoader
 
     uploaded: list[str] = []
     real_upload = WeightLoader._upload

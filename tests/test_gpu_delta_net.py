@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from delta_net_refs import HIDDEN, assert_close, layer_to, make_layer, random_state, set_inputs
+from delta_net_refs import step as run_step
 
 from tandem.layers.delta_net import DeltaNetShape, GatedDeltaNet
 
@@ -52,8 +53,8 @@ def test_step_matches_torch_path(name: str, dtype: torch.dtype, fused_calls: lis
     g = torch.Generator().manual_seed(2)
     for step in range(STEPS):
         set_inputs(layer, g)
-        got = layer(x, torch.tensor([step], device="cuda"), state, step)
-        ref = layer_to(layer, "cpu")(x.cpu(), torch.tensor([step]), ref_state, step)
+        got = run_step(layer, x, state, pooled=True)
+        ref = run_step(layer_to(layer, "cpu"), x.cpu(), ref_state)
         assert got.shape == (1, shape.value_dim) and got.dtype == dtype
         assert torch.equal(state.conv.cpu(), ref_state.conv), f"step {step}: conv state"
         assert_close(state.ssm, ref_state.ssm, f"step {step}: recurrent state")
@@ -63,7 +64,7 @@ def test_step_matches_torch_path(name: str, dtype: torch.dtype, fused_calls: lis
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_step_in_cuda_graph(dtype: torch.dtype, fused_calls: list[int]) -> None:
-    """Captured once (inside a counted-outside step, as KVCache.captured_step runs it), replayed with new
+    """Captured once (a pooled decode step, as the runner's graphs record it), replayed with new
     projection outputs written in place: each replay gives the eager step's output and state bit for bit, and
     the replayed state follows the CPU torch path."""
     shape, _ = CASES["qwen36-35b"]
@@ -72,30 +73,29 @@ def test_step_in_cuda_graph(dtype: torch.dtype, fused_calls: list[int]) -> None:
     eager_state = state.snapshot()
     ref_state = random_state(shape, "cpu", seed=4)
     x = torch.zeros(1, HIDDEN, dtype=dtype, device="cuda")
-    positions = torch.zeros(1, dtype=torch.long, device="cuda")  # never read by the delta-net
     g = torch.Generator().manual_seed(5)
     set_inputs(layer, g)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up outside the capture, on a copy of the state
         scratch = state.snapshot()
-        layer(x, positions, scratch, 0)
+        run_step(layer, x, scratch, pooled=True)
     torch.cuda.current_stream().wait_stream(stream)
-    state.counted_outside = True
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer(x, positions, state, 0)
+        out = run_step(layer, x, state, pooled=True)
+    state.length = 0
     assert torch.equal(state.ssm, eager_state.ssm), "capturing ran the step"
     for step in range(STEPS):
         set_inputs(layer, g)
         before = state.ssm.clone()
         graph.replay()
-        eager = layer(x, positions, eager_state, eager_state.length)
-        ref = layer_to(layer, "cpu")(x.cpu(), positions.cpu(), ref_state, step)
+        eager = run_step(layer, x, eager_state, pooled=True)
+        ref = run_step(layer_to(layer, "cpu"), x.cpu(), ref_state)
         assert not torch.equal(state.ssm, before), f"step {step}: the replay left the state as it was"
         assert torch.equal(out, eager), f"step {step}: replayed output"
         assert torch.equal(state.ssm, eager_state.ssm) and torch.equal(state.conv, eager_state.conv), step
         assert_close(state.ssm, ref_state.ssm, f"step {step}: replayed recurrent state")
         assert_close(out, ref, f"step {step}: replayed output against the torch path")
-    assert state.length == 0 and eager_state.length == STEPS  # the replay counts nothing
+    assert state.length == 0 and eager_state.length == STEPS  # the replay counts nothing (the runner does)
     assert len(fused_calls) == 2 + STEPS  # warm-up, capture, eager steps: never the torch path

@@ -7,10 +7,13 @@ import pytest
 import torch
 from norm_rope_refs import ref_rms_norm, ref_rope
 
-from tandem.layers.attention import AttentionShape, attend, normed_rotated_attend
+from tandem.cuda.decode_attention import decode_attention
+from tandem.cuda.norm_rope import store_rows
+from tandem.layers.attention import AttentionShape, attend_step
 from tandem.layers.norm import add_rms_norm, rms_norm
 from tandem.layers.rope import Rope, RopeSpec, YarnSpec
-from tandem.runtime.kv_cache import LayerKV
+from tandem.state.batch import StepBatch
+from tandem.state.kv_cache import KVPool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,17 +130,17 @@ def test_rope_into_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     kv = torch.randn(1, 2, 4, head_dim, device="cuda", generator=g).to(dtype)
     k, v = kv[:, 0], kv[:, 1]  # strided views, as slices of a fused projection
     w = torch.randn(head_dim, device="cuda", generator=g)
-    fused = LayerKV.allocate(512, 4, head_dim, head_dim, cache_dtype, "cuda")
-    plain = LayerKV.allocate(512, 4, head_dim, head_dim, cache_dtype, "cuda")
-    assert rope.apply(k, pos, w, 1e-6, into=fused.k) is fused.k
-    keys, values, _ = fused.store_values(v, pos)
-    assert keys is fused.k and values is fused.v
-    plain.store(0, rope.apply(k, pos, w, 1e-6), v, pos)
+    fused = KVPool.allocate(2, 512, 4, head_dim, head_dim, cache_dtype, "cuda")
+    plain = KVPool.allocate(2, 512, 4, head_dim, head_dim, cache_dtype, "cuda")
+    slots = torch.tensor([1], device="cuda")
+    assert rope.apply(k, pos, w, 1e-6, into=fused.k, slots=slots) is fused.k
+    store_rows(v, pos, fused.v, slots=slots)
+    plain.slot(1).store(300, rope.apply(k, pos, w, 1e-6), v)
     assert torch.equal(fused.k, plain.k) and torch.equal(fused.v, plain.v)
 
 
 class _Layer:
-    """What `normed_rotated_attend` reads of an attention layer."""
+    """What `attend_step` reads of an attention layer."""
 
     def __init__(self, rope: Rope, head_dim: int, q_norm: torch.Tensor, k_norm: torch.Tensor) -> None:
         self.shape = AttentionShape(8, 2, head_dim, head_dim, head_dim**-0.5, None)
@@ -155,24 +158,25 @@ def test_fused_kv_store_in_cuda_graph() -> None:
     q = torch.randn(1, 8, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(1, 2, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(1, 2, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
-    pos = torch.zeros(1, dtype=torch.long, device="cuda")
-    cache = LayerKV.allocate(1024, 2, head_dim, head_dim, torch.float16, "cuda")
-    plain = LayerKV.allocate(1024, 2, head_dim, head_dim, torch.float16, "cuda")
+    batch = StepBatch.build([(1, 0, [0])], torch.device("cuda"))  # a pooled decode step of slot 1
+    pos = batch.positions
+    pool = KVPool.allocate(2, 1024, 2, head_dim, head_dim, torch.float16, "cuda")
+    plain = KVPool.allocate(2, 1024, 2, head_dim, head_dim, torch.float16, "cuda").slot(1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up outside the capture (this writes row 0 of the cache)
-        normed_rotated_attend(layer, q, k, v, pos, cache, 0)
+        attend_step(layer, q, k, v, batch, pool)
     torch.cuda.current_stream().wait_stream(stream)
-    plain.store(0, rope.apply(k, pos, layer.k_norm, 1e-6), v, pos)  # the same row 0 in the reference cache
+    plain.store(0, rope.apply(k, pos, layer.k_norm, 1e-6), v)  # the same row 0 in the reference cache
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = normed_rotated_attend(layer, q, k, v, pos, cache, 0)
+        out = attend_step(layer, q, k, v, batch, pool)
     for p in (3, 700):
         pos.fill_(p)
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, device="cuda", generator=g))
         graph.replay()
-        plain.store(p, rope.apply(k, pos, layer.k_norm, 1e-6), v, pos)
-        assert torch.equal(cache.k, plain.k) and torch.equal(cache.v, plain.v)
+        plain.store(p, rope.apply(k, pos, layer.k_norm, 1e-6), v)
+        assert torch.equal(pool.k[1], plain.k) and torch.equal(pool.v[1], plain.v) and not pool.k[0].any()
         q_rot = rope.apply(q, pos, layer.q_norm, 1e-6)
-        assert torch.equal(out, attend(q_rot, plain.k, plain.v, pos, layer.shape))
+        assert torch.equal(out, decode_attention(q_rot, plain.k, plain.v, pos, layer.shape.scale))

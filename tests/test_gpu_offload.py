@@ -44,7 +44,7 @@ def _slow_double(xs: list[torch.Tensor]) -> torch.Tensor:
 
 def test_host_call_overlaps_gpu_work_eager_and_captured() -> None:
     from tandem.cuda.graphs import SegmentedGraph
-    from tandem.runtime.offload import HostCall
+    from tandem.weights.offload import HostCall
 
     cycles = _gpu_busy_cycles(GPU_S)
     host = HostCall(_slow_double)
@@ -78,7 +78,7 @@ def test_host_call_overlaps_gpu_work_eager_and_captured() -> None:
 
 def test_host_call_without_overlap_is_exact_in_graph() -> None:
     from tandem.cuda.graphs import SegmentedGraph
-    from tandem.runtime.offload import HostCall
+    from tandem.weights.offload import HostCall
 
     host = HostCall(lambda xs: xs[0].float().sum(dim=1, keepdim=True) + xs[1].float())
     x = torch.randn(1, 8, device="cuda", dtype=torch.bfloat16)
@@ -107,7 +107,7 @@ def test_flag_replay_survives_a_failing_host_step() -> None:
     import threading
 
     from tandem.cuda.graphs import SegmentedGraph
-    from tandem.runtime.offload import HostCall
+    from tandem.weights.offload import HostCall
 
     fail = [False]
     ran_on: list[str] = []
@@ -155,7 +155,7 @@ def test_flag_replay_survives_a_failing_host_step() -> None:
 def test_streamed_experts_equal_resident(qtype: gguf.GGMLQuantizationType, slot_experts: int) -> None:
     from tandem.cuda.host_memory import register_host
     from tandem.cuda.qlinear import GPUQuantWeight, qmatmul_id
-    from tandem.runtime.offload import ExpertStream
+    from tandem.weights.offload import ExpertStream
 
     rng = np.random.default_rng(7)
     e, n, k = 12, 96, 512
@@ -185,7 +185,7 @@ def test_streamed_experts_are_read_from_page_locked_file_memory(tiny_qwen3moe_gg
 
     import tandem
     from tandem.convert import convert_hf
-    from tandem.runtime.offload import OffloadedExperts
+    from tandem.weights.offload import OffloadedExperts
 
     path = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "tiny-q8_0.gguf", "q8_0")
     with tandem.LLM(path, device="cuda", cpu_moe=True, n_ctx=128) as llm:
@@ -295,9 +295,9 @@ def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no
     experts the GPU takes (the repacked test above sees ~1e-3 of the largest logit from such rounding); a wrong
     expert, slot or stale buffer is off by the logits' own size, so the bound is 1e-2 of the largest logit."""
     import tandem
-    from tandem.runtime.loader import WeightLoader
-    from tandem.runtime.offload import OffloadedExperts
     from tandem.synth.writer import synthesize
+    from tandem.weights.loader import WeightLoader
+    from tandem.weights.offload import OffloadedExperts
 
     path = synthesize("qwen3-30b-a3b", tmp_path / "q30.gguf", layers=2, fill="random").path
     uploaded: list[str] = []

@@ -152,14 +152,3 @@ def test_store_rows(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     expected.index_copy_(0, torch.tensor([5]), v.to(cache_dtype))  # position 37 of a 16-row ring: row 5
     norm_rope.store_rows(v, torch.tensor([37], dtype=torch.int32), cache)
     assert_stored(cache, expected, dtype)
-
-
-def test_layer_kv_store_values() -> None:
-    """`LayerKV.store_values` (the decode step after the rope kernel wrote k): v into its row, whole buffers."""
-    from tandem.runtime.kv_cache import LayerKV
-
-    kv = LayerKV.allocate(8, 2, 16, 24, torch.float16, "cpu")
-    v = torch.randn(1, 2, 24, dtype=torch.bfloat16)
-    keys, values, first = kv.store_values(v, torch.tensor([5]))
-    assert keys is kv.k and values is kv.v and first == 0
-    assert torch.equal(kv.v[5], v[0].half()) and not kv.v[:5].any() and not kv.v[6:].any()

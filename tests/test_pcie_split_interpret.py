@@ -28,7 +28,7 @@ from tandem.cuda.qlinear import ggml_rounded_input
 from tandem.layers.moe import GLUExperts, Routing
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.runtime.loader import WeightLoader
+from tandem.weights.loader import WeightLoader
 
 TYPES = [gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")]
 

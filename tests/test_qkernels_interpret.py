@@ -137,7 +137,7 @@ def test_gemv_configurations(qtype: gguf.GGMLQuantizationType) -> None:
 
 
 class _ChunkStream:
-    """A stand-in for runtime/offload.py's ExpertStream: chunks of `per_chunk` experts, copied, that hold
+    """A stand-in for weights/offload.py's ExpertStream: chunks of `per_chunk` experts, copied, that hold
     routed experts (trimmed to the first and last routed one, as ExpertStream does)."""
 
     def __init__(self, per_chunk: int) -> None:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from llamacpp_logits import assert_logits_match_llama_cpp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tandem
 from tandem.gguf import open_gguf
@@ -21,8 +20,7 @@ from tandem.layers.delta_net import (
     chunked_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from tandem.runtime.engine import Engine
-from tandem.runtime.kv_cache import KVCache
+from tandem.state.batch import StepBatch
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat
 
 REUSE_ATOL = 2e-5  # same model, same tokens, different batching: only float32 rounding differs
@@ -117,9 +115,9 @@ def test_prefix_reuse_matches_fresh_run(tiny_qwen35moe_gguf: tuple[Path, Path]) 
         computed = []
         forward = engine.model.forward
 
-        def counting_forward(ids: torch.Tensor, *args: object, **kw: bool) -> torch.Tensor:
-            computed.append(len(ids))
-            return forward(ids, *args, **kw)  # type: ignore[arg-type]
+        def counting_forward(batch: StepBatch, *args: object, **kw: bool) -> torch.Tensor:
+            computed.append(batch.n_tokens)
+            return forward(batch, *args, **kw)  # type: ignore[arg-type]
 
         engine.model.forward = counting_forward  # type: ignore[method-assign]
         for name, (ids, n_computed) in cases.items():
@@ -141,115 +139,23 @@ def test_state_refuses_wrong_position(tiny_qwen35moe_gguf: tuple[Path, Path]) ->
             llm.engine.append([5])
 
 
-# Ops that read a tensor's value on the host (a sync on a GPU, forbidden while capturing a CUDA graph) or
-# whose output shape depends on values.
-HOST_READS = {"item", "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
-              "unique_dim", "unique_consecutive", "bincount"}  # fmt: skip
-
-
-class NoHostReads(TorchDispatchMode):
-    """Fails on HOST_READS ops, except under the ggml CPU kernels (on a GPU model they are host ops, where
-    the captured step is split)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = func.overloadpacket.__name__
-        if (name in HOST_READS or str(func) == "aten.repeat_interleave.Tensor") and not _in_ggml_kernels():
-            raise AssertionError(f"{func} reads tensor values on the host inside the captured step")
-        return func(*args, **(kwargs or {}))
-
-
-def _in_ggml_kernels() -> bool:
-    import inspect
-
-    return any(frame.filename.endswith("quant/ggml_cpu.py") for frame in inspect.stack(0))
-
-
-class EagerDecodeGraph:
-    """cuda/graphs.py's DecodeGraph run eagerly on the CPU: the same static inputs (the embedding copied into
-    `x`, the position filled into a tensor) and the same `blocks_and_head` call that a capture records, under
-    NoHostReads. Only `start` differs: on the CPU attention stores K/V at `start` (on a GPU by `positions`);
-    the delta-net layers ignore it inside `captured_step`."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.model, self.cache = engine.model, engine.cache
-        self.x = torch.zeros(1, self.model.cfg.hidden, dtype=self.model.dtype)
-        self.positions = torch.zeros(1, dtype=torch.long)
-        self.steps = 0
-
-    def __call__(self, token: int) -> torch.Tensor:
-        self.x.copy_(self.model.embed_tokens(torch.tensor([token])))
-        self.positions.fill_(self.cache.length)
-        with NoHostReads():
-            logits = self.model.blocks_and_head(self.x, self.positions, self.cache, start=self.cache.length)
-        self.steps += 1
-        return logits[-1]
-
-
-def _state_pointers(cache: KVCache) -> list[int]:
-    return [t.data_ptr() for layer in cache.layers if isinstance(layer, DeltaNetState) for t in (layer.conv, layer.ssm)]
-
-
-@pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_qwen3next_gguf"])
-def test_captured_decode_step_matches_eager(fixture: str, request: pytest.FixtureRequest) -> None:
-    """The engine's graph path (captured_step, the DecodeGraph call, advance) run eagerly on the CPU gives the
-    logits of the ordinary decode over a multi-turn chat: decode steps, a new turn that restores the recurrent
-    checkpoint and one that goes back to the start, each followed by steps; the state tensors stay the ones
-    allocated with the cache (a CUDA graph keeps their addresses) and the step reads no value on the host."""
-    _, path = request.getfixturevalue(fixture)
-    turn1 = _prompt(70, 6)  # longer than a delta-net chunk
-    script = [  # (prompt fed, tokens decoded one at a time after it)
-        (turn1, _prompt(6, 7)),
-        (turn1 + _prompt(5, 8), _prompt(6, 9)),  # diverges after the checkpoint at 69: restored
-        (turn1[:10] + _prompt(20, 10), _prompt(4, 11)),  # no checkpoint below 10: back to the start
-    ]
-    runs = []
-    for graph in (False, True):
-        with tandem.LLM(path, device="cpu", cache_type="f32", threads=2, n_ctx=256) as llm:
-            engine = llm.engine
-            assert engine._decode_graph is None  # no graphs on the CPU: the stand-in below plays the graph
-            stand_in = EagerDecodeGraph(engine)
-            if graph:
-                engine._decode_graph, engine._warm = stand_in, True  # type: ignore[assignment]
-            pointers = _state_pointers(engine.cache)
-            logits = []
-            for prompt, steps in script:
-                logits.append(engine.feed(prompt).clone())
-                for t in steps:
-                    logits.append(engine.append([t]).clone())
-                    assert engine.cache.tokens[-1] == t and len(engine.cache.tokens) == engine.cache.length
-                    lengths = {layer.length for layer in engine.cache.layers if isinstance(layer, DeltaNetState)}
-                    assert lengths == {engine.cache.length}, (lengths, engine.cache.length)
-                assert _state_pointers(engine.cache) == pointers, "a recurrent state tensor was reallocated"
-            # feed's last prompt token and every decoded token went through the graph path
-            assert stand_in.steps == (sum(1 + len(steps) for _, steps in script) if graph else 0)
-            runs.append(torch.stack(logits))
-    eager, graphed = runs
-    diff = (graphed - eager).abs().max().item()
-    print(f"{fixture}: max|captured - eager| over {len(eager)} steps {diff:.2e}")
-    assert diff < REUSE_ATOL, diff
-
-
-def test_captured_delta_net_step_ignores_start_and_count(tiny_qwen35moe_gguf: tuple[Path, Path]) -> None:
-    """Inside captured_step a delta-net layer neither checks `start` (the graph passes 0) nor counts the
-    position; KVCache.advance counts it, and a cache out of step with its recurrent layers is refused."""
+def test_delta_net_layer_checks_but_does_not_count(tiny_qwen35moe_gguf: tuple[Path, Path]) -> None:
+    """A delta-net layer refuses a sequence that does not continue where its state is, and counts nothing: the
+    runner counts every step's tokens after it (KVCache.advance), which a replayed CUDA graph needs."""
     _, path = tiny_qwen35moe_gguf
     with tandem.LLM(path, device="cpu", cache_type="f32", threads=2, n_ctx=64) as llm:
         engine = llm.engine
         engine.feed(_prompt(9, 12))
         i = next(i for i, layer in enumerate(engine.cache.layers) if isinstance(layer, DeltaNetState))
-        block, state = engine.model.blocks[i], engine.cache.layers[i]
+        block, state, pool = engine.model.blocks[i], engine.cache.layers[i], engine.pool.layers[i]
         x = torch.randn(1, engine.model.cfg.hidden)
         conv = state.conv.clone()
-        with engine.cache.captured_step():
-            block.mixer(x, torch.zeros(1, dtype=torch.long), state, 0)
+        block.mixer(x, StepBatch.build([(0, 9, [5])], torch.device("cpu")), pool)
         assert state.length == 9 and not torch.equal(state.conv, conv)  # stepped in place, not counted
-        with pytest.raises(StateOrderError):  # outside captured_step the position is checked again
-            block.mixer(x, torch.zeros(1, dtype=torch.long), state, 0)
+        with pytest.raises(StateOrderError):
+            block.mixer(x, StepBatch.build([(0, 3, [5])], torch.device("cpu")), pool)
         engine.cache.advance([5])
         assert state.length == engine.cache.length == 10 and engine.cache.tokens[-1] == 5
-        engine.cache.length = 4  # a truncation that bypasses KVCache.truncate
-        with pytest.raises(StateOrderError), engine.cache.captured_step():
-            pass
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_qwen3next_gguf"])

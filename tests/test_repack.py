@@ -1,4 +1,4 @@
-"""--repack-experts (runtime/repack.py): the CPU expert stacks that ggml repacks are copied by a pool of threads
+"""--repack-experts (weights/repack.py): the CPU expert stacks that ggml repacks are copied by a pool of threads
 while loading, each handed out as its copy; without the flag, the file's blocks. That the copies give the
 experts' products is tests/test_synth.py's (CPU) and tests/test_gpu_offload.py's (the captured step)."""
 
@@ -10,8 +10,8 @@ import ggml
 import pytest
 
 from tandem.gguf import open_gguf
-from tandem.runtime.repack import ExpertRepacks
 from tandem.synth.writer import synthesize
+from tandem.weights.repack import ExpertRepacks
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from tandem.layers.delta_net import FusedBetaAlpha, SplitBetaAlpha
 from tandem.layers.linear import GGMLLinear
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.runtime.offload import HostLinear
+from tandem.weights.offload import HostLinear
 
 
 def test_on_the_cpu_the_projections_run_in_order() -> None:

@@ -25,12 +25,12 @@ from tandem.quant.types import check_supported
 from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts, resolve_device
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
-from tandem.runtime.kv_cache import CACHE_DTYPES
-from tandem.runtime.loader import WeightLoader
 from tandem.runtime.sampling import Sampler, SamplingParams, check_option
+from tandem.state.kv_cache import CACHE_DTYPES
 from tandem.tokenizer import Tokenizer
 from tandem.tokenizer.builtin_templates import arch_template_name, builtin_template
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
+from tandem.weights.loader import WeightLoader
 
 
 def default_model_path() -> Path:
@@ -94,7 +94,8 @@ def _check_kv_memory(cfg: ModelConfig, shape: RuntimeShape) -> None:
 
 
 class LLM:
-    """A loaded model with one sequence of state (KV cache)."""
+    """A loaded model and its engine: a state pool of `n_parallel` sequences (KV cache and recurrent state) of up
+    to n_ctx tokens each, advanced together (`llm.engine`; `generate` and `chat` are a batch of one)."""
 
     def __init__(
         self,
@@ -104,6 +105,7 @@ class LLM:
         threads: int | None = None,
         cache_type: str = "f16",
         n_batch: int = 512,
+        n_parallel: int = 1,
         cpu_moe: bool = False,
         n_cpu_moe: int = 0,
         override_tensor: Sequence[str] | None = None,
@@ -120,6 +122,8 @@ class LLM:
 
         device: "cpu", "cuda" or "cuda:K" (default: cuda when a GPU is visible; the CPU with n_gpu_layers=0).
         threads: ggml's CPU threads (None or negative, as llama.cpp's -1: the physical cores).
+        n_ctx: tokens per sequence; n_parallel: sequences the engine holds at once (-np, the pool's slots);
+        n_batch: tokens per step (prompts are computed in chunks of it beside the sequences decoding).
         n_gpu_layers: llama.cpp's -ngl, for its command lines: the layer count or more (or < 0) keeps the layers
         on the GPU, 0 on the CPU; tandem does not split the layers between devices (a PlacementError).
         dtype: compute type on the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32.
@@ -129,12 +133,12 @@ class LLM:
         CPU (host RAM equal to those stacks; no decode gain measured on the GPU machine; llama.cpp leaves
         `--cpu-moe` experts in the file). pcie_experts: K > 0 has the GPU compute the last K of each decode token's
         selected experts kept in host RAM, reading their blocks there over PCIe (no copy, no VRAM) while the CPU
-        computes the others (runtime/offload.py); 0, the default, leaves them all to the CPU, as llama.cpp does.
+        computes the others (weights/offload.py); 0, the default, leaves them all to the CPU, as llama.cpp does.
         """
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
-        for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("pcie_experts", pcie_experts),
-                            ("n_cpu_moe", n_cpu_moe)):  # fmt: skip
+        for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_parallel", n_parallel),
+                            ("pcie_experts", pcie_experts), ("n_cpu_moe", n_cpu_moe)):  # fmt: skip
             check_option(name, value)
         if threads is not None:
             check_option("threads", threads)
@@ -156,7 +160,9 @@ class LLM:
             tp=tp,
             n_gpu_layers=n_gpu_layers,
         )
-        shape = RuntimeShape(n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize)
+        shape = RuntimeShape(
+            n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize, n_seq=n_parallel
+        )
         _check_kv_memory(self.config, shape)
         self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
         check_executable(self.plan)
@@ -174,7 +180,9 @@ class LLM:
         self.placed: dict[str, str] = loader.placed()
         self.notices: list[str] = loader.notices()
         self.n_ctx = n_ctx
-        self.engine = Engine(self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs)
+        self.engine = Engine(
+            self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel
+        )
 
     def placement_summary(self) -> dict[str, int]:
         """Bytes of weights per device, read back from where the loaded tensors actually are."""

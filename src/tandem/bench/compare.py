@@ -468,7 +468,7 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
     from tandem.gguf import open_gguf
     from tandem.models import read_config
     from tandem.placement import RuntimeShape, plan_placement
-    from tandem.runtime.kv_cache import CACHE_DTYPES
+    from tandem.state.kv_cache import CACHE_DTYPES
 
     settings = settings_from_args(args)
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():

@@ -17,8 +17,8 @@ from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.runtime.devices import check_pcie_experts, resolve_device
-from tandem.runtime.kv_cache import CACHE_DTYPES
 from tandem.runtime.sampling import check_option
+from tandem.state.kv_cache import CACHE_DTYPES
 from tandem.tokenizer.builtin_templates import builtin_template
 from tandem.tokenizer.chat_template import parse_template_variables, read_template_file
 
@@ -37,6 +37,7 @@ def _load(args: argparse.Namespace) -> LLM:
             threads=args.threads,
             cache_type=args.cache_type,
             n_batch=args.batch_size,
+            n_parallel=args.parallel,
             repack_experts=args.repack_experts,
             pcie_experts=args.pcie_experts,
             **_placement(args),
@@ -110,10 +111,10 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 
 
 # The numeric flags, by the API option that OPTION_LIMITS (runtime/sampling.py) checks them as.
-_NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "threads", "pcie_experts": "pcie_experts",
-                  "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens", "temp": "temperature", "top_k": "top_k",
-                  "top_p": "top_p", "min_p": "min_p", "repeat_penalty": "repeat_penalty",
-                  "repeat_last_n": "repeat_last_n", "seed": "seed"}  # fmt: skip
+_NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "parallel": "n_parallel", "threads": "threads",
+                  "pcie_experts": "pcie_experts", "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens",
+                  "temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed"}  # fmt: skip
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -219,8 +220,9 @@ def inspect(args: argparse.Namespace) -> int:
     cfg = read_config(f)
     request = PlacementRequest.from_flags(device=resolve_device(args.device, args.n_gpu_layers), **_placement(args))
     shape = RuntimeShape(
-        n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize
-    )
+        n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize,
+        n_seq=args.parallel,
+    )  # fmt: skip
     plan = plan_placement(f, cfg, request, shape)
     check_pcie_experts(plan, f, cfg, args.pcie_experts)
     mix: Counter[str] = Counter()
@@ -246,6 +248,8 @@ def inspect(args: argparse.Namespace) -> int:
         "quant_mix": {k: {"tensors": mix[k], "bytes": mix_bytes[k]} for k in sorted(mix)},
         "plan": {k: v for k, v in plan.to_dict().items() if k != "tensors"},
         "pcie_experts": args.pcie_experts,
+        "parallel": args.parallel,
+        "n_ctx": args.ctx_size,
         "tensors": [
             {
                 "name": t.name,
@@ -304,7 +308,7 @@ def _print_inspect(summary: dict, show_tensors: bool) -> None:
     if plan["request"]["device"] != "cpu":
         vram = Table("expected VRAM", "MiB")
         vram.add_row("weights", _mib(plan["weight_bytes"].get(plan["request"]["device"], 0)))
-        vram.add_row("KV cache", _mib(plan["kv_bytes"]))
+        vram.add_row(f"KV cache ({summary['parallel']} x {summary['n_ctx']} tokens)", _mib(plan["kv_bytes"]))
         vram.add_row("workspace", _mib(plan["workspace_bytes"]))
         vram.add_row("expert staging (prefill)", _mib(plan["staging_bytes"]))
         vram.add_row("total", _mib(plan["expected_gpu_bytes"]))

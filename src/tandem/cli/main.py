@@ -17,7 +17,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M Q4_K_M)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default, or N < 0: physical cores)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch size (default 512)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step, prefill chunks (default 512)")
+    _add_parallel_flag(p)
     _add_placement_flags(p)
     p.add_argument(
         "--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"], help="KV cache type (default f16)"
@@ -29,6 +30,17 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "stacks; no decode gain measured on the GPU machine)",
     )
     _add_pcie_flag(p)
+
+
+def _add_parallel_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sequences the engine runs at once: the state pool's slots, each of -c tokens (default 1)",
+    )
 
 
 def _add_pcie_flag(p: argparse.ArgumentParser) -> None:
@@ -174,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("-m", "--model", help="GGUF file (default: the bundled model)")
     inspect.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the plan (default 4096)")
     inspect.add_argument("-b", "--batch-size", type=int, default=512, help="prefill batch for the plan (default 512)")
+    _add_parallel_flag(inspect)
     inspect.add_argument("--cache-type", "-ctk", default="f16", choices=["f16", "bf16", "f32"])
     _add_placement_flags(inspect)
     _add_pcie_flag(inspect)

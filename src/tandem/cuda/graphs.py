@@ -29,9 +29,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tandem.models.decoder import DecoderModel
-from tandem.runtime.kv_cache import KVCache
-
 if TYPE_CHECKING:
     from tandem.cuda.host_memory import HostFlag
 
@@ -39,7 +36,7 @@ LAUNCH_AHEAD = 2  # graphs launched before the first host op runs: the one it wa
 
 
 class HostBoundary(Protocol):
-    """A host op of the step (runtime/offload.py HostCall): while `segments` is set, it calls
+    """A host op of the step (weights/offload.py HostCall): while `segments` is set, it calls
     `segments.split` where its host part must run instead of running it."""
 
     segments: SegmentedGraph | None
@@ -152,31 +149,3 @@ class SegmentedGraph:
         torch.cuda.current_stream().synchronize()
         for flag in (*self._to_host, *self._to_device):
             flag.clear()
-
-
-class DecodeGraph:
-    """The model's one-token step with static input buffers, captured on first use."""
-
-    def __init__(self, model: DecoderModel, cache: KVCache, boundaries: Sequence[HostBoundary]) -> None:
-        self.model = model
-        self.cache = cache
-        self.boundaries = boundaries
-        self.x = torch.zeros(1, model.cfg.hidden, dtype=model.dtype, device=model.device)
-        self.positions = torch.zeros(1, dtype=torch.long, device=model.device)
-        self.graph: SegmentedGraph | None = None
-        self.logits: torch.Tensor | None = None
-
-    def __call__(self, token: int) -> torch.Tensor:
-        """Logits [V] after `token` at the cache's next position (the caller does the bookkeeping)."""
-        # The embedding lookup stays outside the graph: the table may be in host RAM (as llama.cpp keeps it).
-        self.x.copy_(self.model.embed_tokens(torch.tensor([token])))
-        self.positions.fill_(self.cache.length)
-        if self.graph is None:
-            graph = SegmentedGraph()
-            self.logits = graph.capture(
-                lambda: self.model.blocks_and_head(self.x, self.positions, self.cache, start=0), self.boundaries
-            )
-            self.graph = graph
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits[-1]

@@ -26,7 +26,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def on_host(projection: object) -> bool:
-    """Whether a projection runs on the host (runtime/offload.py HostLinear, or a pair holding one): a boundary
+    """Whether a projection runs on the host (weights/offload.py HostLinear, or a pair holding one): a boundary
     of the captured step, which must stay on the step's stream."""
     return bool(getattr(projection, "on_host", False))
 

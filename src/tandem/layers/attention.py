@@ -41,7 +41,8 @@ from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
-from tandem.runtime.kv_cache import LayerKV
+from tandem.state.batch import StepBatch
+from tandem.state.kv_cache import KVPool, LayerKV
 
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
 RING_DEVICE_TYPES = ("cuda",)
@@ -57,12 +58,16 @@ class AttentionShape:
     sliding_window: int | None  # None: full causal attention
     softcap: float | None = None
 
-    def new_kv(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> LayerKV:
-        """The KV buffers of a layer with this geometry: on a GPU, a sliding-window layer keeps a ring of
-        window + n_batch - 1 rows (VRAM is what --cpu-moe users lack); on the CPU, every position, in the
+    def new_kv(
+        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
+    ) -> KVPool:
+        """The KV buffers of every slot of a layer with this geometry: on a GPU, a sliding-window layer keeps a
+        ring of window + n_batch - 1 rows (VRAM is what --cpu-moe users lack); on the CPU, every position, in the
         order whose sums reproduce llama.cpp's rounding (see the module docstring)."""
         window = self.sliding_window if torch.device(device).type in RING_DEVICE_TYPES else None
-        return LayerKV.allocate(n_ctx, self.n_kv_heads, self.head_dim, self.value_dim, dtype, device, window, n_batch)
+        return KVPool.allocate(
+            n_slots, n_ctx, self.n_kv_heads, self.head_dim, self.value_dim, dtype, device, window, n_batch
+        )
 
 
 @dataclass
@@ -79,10 +84,12 @@ class Attention:
     v_norm: bool = False  # RMS-normalise values per head, without a weight (Gemma 4)
     sinks: torch.Tensor | None = None  # [H] learned logit of an extra "sink" key per head (gpt-oss)
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> LayerKV:
-        return self.shape.new_kv(n_ctx, dtype, device, n_batch)
+    def new_state(
+        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
+    ) -> KVPool:
+        return self.shape.new_kv(n_slots, n_ctx, dtype, device, n_batch)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
         q, k, *v = side_by_side(x, self.q, self.k, *([] if self.v is None else [self.v]))  # one token on a GPU: at once
@@ -91,7 +98,7 @@ class Attention:
         v = v[0].view(t, s.n_kv_heads, s.value_dim) if v else k
         if self.v_norm:
             v = rms_norm(v, torch.ones((), dtype=torch.float32, device=v.device), self.norm_eps)
-        out = normed_rotated_attend(self, q, k, v, positions, cache, start, self.sinks)  # [T, H, Dv]
+        out = attend_step(self, q, k, v, batch, pool, self.sinks)  # [T, H, Dv]
         return self.o(out.reshape(t, s.n_heads * s.value_dim))
 
 
@@ -103,26 +110,53 @@ class _QKNormed(Protocol):
     norm_eps: float
 
 
-def normed_rotated_attend(
+def attend_step(
     layer: _QKNormed,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    positions: torch.Tensor,
-    cache: LayerKV,
-    start: int,
+    batch: StepBatch,
+    pool: KVPool,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """From fresh projections q [T, H, D], k [T, G, D], v [T, G, Dv]: the layer's q/k norms and rope, k and v
-    into the cache, attention over it -> [T, H, Dv]. Shared by the attention layers."""
-    q = layer.rope.apply(q, positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel per tensor on CUDA
-    if cache.by_index(k.shape[0], positions):  # decoding on CUDA: the k kernel writes its cache row itself
-        layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps, into=cache.k)
-        keys, values, first = cache.store_values(v, positions)  # whole buffers [R, G, D]
-    else:
-        k = layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps)
-        keys, values, first = cache.store(start, k, v, positions)  # [S, G, D] from position `first`
-    return attend(q, keys, values, positions, layer.shape, sinks, first, cache)
+    """From a step's fresh projections q [T, H, D], k [T, G, D], v [T, G, Dv]: the layer's q/k norms and rope,
+    k and v into each sequence's cache, attention over it -> [T, H, Dv]. Shared by the attention layers.
+
+    A pooled decode step (on a GPU) runs as one batch over the pool (`_pooled_decode`); otherwise each
+    sequence's rows attend over its own slot, one sequence after the other."""
+    if batch.pooled:
+        return _pooled_decode(layer, q, k, v, batch, pool, sinks)
+    outs = []
+    for span in batch.spans:
+        rows, cache = span.rows, pool.slot(span.slot)
+        positions = batch.positions[rows]
+        qs = layer.rope.apply(q[rows], positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel on CUDA
+        ks = layer.rope.apply(k[rows], positions, layer.k_norm, layer.norm_eps)
+        keys, values, first = cache.store(span.start, ks, v[rows])  # [S, G, D] from position `first`
+        outs.append(attend(qs, keys, values, positions, layer.shape, sinks, first, cache))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _pooled_decode(
+    layer: _QKNormed,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: StepBatch,
+    pool: KVPool,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One token per sequence on a GPU, every sequence at once, by device tensors only (capturable): the k
+    kernel writes each row's key into its slot's cache row itself, v goes to its row, then flash-decoding over
+    each row's slot. Padding rows (slot -1) write and read nothing."""
+    from tandem.cuda.decode_attention import decode_attention
+    from tandem.cuda.norm_rope import store_rows
+
+    s, positions, slots = layer.shape, batch.positions, batch.slots
+    q = layer.rope.apply(q, positions, layer.q_norm, layer.norm_eps)
+    layer.rope.apply(k, positions, layer.k_norm, layer.norm_eps, into=pool.k, slots=slots)
+    store_rows(v, positions, pool.v, slots=slots)
+    return decode_attention(q, pool.k, pool.v, positions, s.scale, s.sliding_window, s.softcap, sinks, slots=slots)
 
 
 def attend(
@@ -135,16 +169,11 @@ def attend(
     first: int = 0,
     cache: LayerKV | None = None,
 ) -> torch.Tensor:
-    """Causal (optionally windowed) softmax attention of q [T, H, D] over keys/values [S, G, D], those of
-    positions first, first + 1, ... (a decode step on a GPU: a whole cache buffer, a ring's rows by position
-    modulo its size).
+    """Causal (optionally windowed) softmax attention of one sequence's queries q [T, H, D] over keys/values
+    [S, G, D], those of positions first, first + 1, ...
 
     `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing. `cache`: the buffer
     keys and values are (a prefix of), whose float32 copies the CPU attention reads (`LayerKV.float32_rows`)."""
-    if q.is_cuda and q.shape[0] == 1:  # decoding: one kernel pair reads p on the device, builds no mask
-        from tandem.cuda.decode_attention import decode_attention
-
-        return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that

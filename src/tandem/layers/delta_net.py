@@ -9,11 +9,11 @@ Two forms compute it: `recurrent_gated_delta_rule` (token by token, for decode) 
 `chunked_gated_delta_rule` (chunks of 64 tokens through the UT transform, for prefill), as in
 transformers' torch reference and llama.cpp; they agree to float32 rounding.
 
-The one-token step of `GatedDeltaNet` can be captured as a CUDA graph: its shapes do not depend on
-the position, it reads no tensor value on the host, and it updates the conv and recurrent state tensors
-in place (`copy_`), so a replay advances the live state. The position count is host bookkeeping, done
-around the step (`KVCache.captured_step` / `KVCache.advance`) when it is captured. On a GPU that step runs
-between the projections as two Triton kernels (cuda/delta_net.py) instead of the torch ops below.
+A decode step of `GatedDeltaNet` on a GPU (one token per sequence, the sequences' states in the pool's slots)
+runs between the projections as two Triton kernels (cuda/delta_net.py) instead of the torch ops below, and can
+be captured as a CUDA graph: its shapes do not depend on the positions, it reads no tensor value on the host,
+and it updates the pool's state tensors in place, so a replay advances the live states. The position count is
+host bookkeeping, done after every step (`KVCache.advance`).
 
 Shapes: T = tokens, C = conv channels (2*Hk*Dk + Hv*Dv), K = conv kernel, Hk / Hv = key / value
 heads, Dk / Dv = key / value head dims, N = chunks, L = chunk length.
@@ -30,7 +30,8 @@ from tandem.cuda.streams import on_host, side_by_side
 from tandem.errors import TandemError
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
-from tandem.runtime.kv_cache import StateOrderError
+from tandem.state.batch import StepBatch
+from tandem.state.kv_cache import StateOrderError
 
 CHUNK_SIZE = 64  # transformers' and llama.cpp's chunk length for the gated delta rule
 
@@ -73,16 +74,7 @@ class DeltaNetState:
 
     conv: torch.Tensor  # [K-1, C] float32: the last K-1 conv inputs (zeros before the sequence start)
     ssm: torch.Tensor  # [Hv, Dk, Dv] float32: the recurrent state
-    length: int = 0
-    counted_outside: bool = False  # see KVCache.captured_step
-
-    @classmethod
-    def allocate(cls, shape: DeltaNetShape, device: torch.device | str) -> DeltaNetState:
-        # float32 whatever the KV cache type: the state is small and accumulates over the whole sequence
-        return cls(
-            conv=torch.zeros(shape.conv_kernel - 1, shape.conv_channels, device=device),
-            ssm=torch.zeros(shape.n_v_heads, shape.head_k_dim, shape.head_v_dim, device=device),
-        )
+    length: int = 0  # counted by KVCache.advance after each step
 
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
@@ -102,6 +94,29 @@ class DeltaNetState:
             self.conv.copy_(snapshot.conv)
             self.ssm.copy_(snapshot.ssm)
             self.length = snapshot.length
+
+
+@dataclass
+class DeltaNetPool:
+    """One delta-net layer's state of every slot: conv [N, K-1, C] and ssm [N, Hv, Dk, Dv], and each slot's
+    `DeltaNetState` (views)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    slots: list[DeltaNetState]
+
+    @classmethod
+    def allocate(cls, n_slots: int, shape: DeltaNetShape, device: torch.device | str) -> DeltaNetPool:
+        # float32 whatever the KV cache type: the state is small and accumulates over the whole sequence
+        conv = torch.zeros(n_slots, shape.conv_kernel - 1, shape.conv_channels, device=device)
+        ssm = torch.zeros(n_slots, shape.n_v_heads, shape.head_k_dim, shape.head_v_dim, device=device)
+        return cls(conv, ssm, [DeltaNetState(conv[i], ssm[i]) for i in range(n_slots)])
+
+    def slot(self, i: int) -> DeltaNetState:
+        return self.slots[i]
+
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -232,8 +247,10 @@ class GatedDeltaNet:
     eps: float = 1e-6  # of the gated RMSNorm and the q/k L2 norms
     chunk_size: int = CHUNK_SIZE
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> DeltaNetState:
-        return DeltaNetState.allocate(self.shape, device)
+    def new_state(
+        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
+    ) -> DeltaNetPool:
+        return DeltaNetPool.allocate(n_slots, self.shape, device)
 
     def _expand_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T, Hk, Dk] -> [T, Hv, Dk]: each value head gets its key head."""
@@ -245,51 +262,53 @@ class GatedDeltaNet:
             return x.unsqueeze(1).expand(t, r, hk, d).reshape(t, r * hk, d)
         return x.unsqueeze(2).expand(t, hk, r, d).reshape(t, hk * r, d)  # grouped: j // r
 
-    def _fused_step(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """The one-token step between the projections in two Triton kernels (cuda/delta_net.py) instead of
-        ~40 small torch ops; the same arithmetic to f32 rounding. Returns the out projection's input [1, Hv*Dv]."""
+    def _fused_step(self, x: torch.Tensor, pool: DeltaNetPool, slots: torch.Tensor | None) -> torch.Tensor:
+        """A decode step of every row's sequence (its state in slot slots[row] of the pool) between the
+        projections in two Triton kernels (cuda/delta_net.py) instead of ~40 small torch ops; the same arithmetic
+        to f32 rounding. Returns the out projection's input [B, Hv*Dv]."""
         from tandem.cuda.delta_net import gated_delta_step
 
         # the large qkv projection here, the gate and beta/alpha beside it on a second stream
         qkv, z, (b, a) = side_by_side(x, self.qkv, self.gate, self.beta_alpha)
         return gated_delta_step(
-            qkv, z, b, a, state, self.conv_weight, self.dt_bias, self.a, self.norm, self.shape, self.eps, x.dtype
-        )
+            qkv, z, b, a, pool.conv, pool.ssm, self.conv_weight, self.dt_bias, self.a, self.norm, self.shape,
+            self.eps, x.dtype, slots=slots,
+        )  # fmt: skip
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: DeltaNetState, start: int) -> torch.Tensor:
-        """x [T, D] at positions start..start+T-1, continuing `state`. Inside `KVCache.captured_step`
-        (`state.counted_outside`) the step is one token and leaves the position count to the caller;
-        `positions` is never read: the state alone says where the sequence is."""
+    def __call__(self, x: torch.Tensor, batch: StepBatch, pool: DeltaNetPool) -> torch.Tensor:
+        """x [T, D]: each sequence's rows continue the state in its slot. The layer checks that each sequence
+        continues where its state is and leaves the position count to the caller (KVCache.advance)."""
         s = self.shape
         t = x.shape[0]
-        if state.counted_outside:
-            if t != 1:
-                raise StateOrderError(f"a captured delta-net step takes one token, got {t}")
-        elif start != state.length:
-            raise StateOrderError(f"delta-net state holds {state.length} positions, cannot continue at {start}")
-        if t == 1 and x.is_cuda:  # Triton only with a GPU
+        if batch.pooled:  # on a GPU
             from tandem.cuda.delta_net import step_fits
 
             if step_fits(s):
-                o = self._fused_step(x, state)
-                if not state.counted_outside:
-                    state.length += 1
-                return self.out(o)
-        mixed = F.silu(causal_conv1d(self.qkv(x), state.conv, self.conv_weight))  # [T, C]
+                return self.out(self._fused_step(x, pool, batch.slots))
+        qkv = self.qkv(x)
+        b, a = self.beta_alpha(x)  # [T, Hv] each
+        outs = []
+        for span in batch.spans:
+            state, rows = pool.slot(span.slot), span.rows
+            if span.start != state.length:
+                raise StateOrderError(f"delta-net state holds {state.length} positions, not {span.start}")
+            outs.append(self._rule(qkv[rows], b[rows], a[rows], state, span.n))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        z = self.gate(x).view(t, s.n_v_heads, s.head_v_dim)
+        o = rms_norm(o, self.norm, self.eps) * F.silu(z.float())  # [T, Hv, Dv]
+        return self.out(o.reshape(t, s.value_dim).to(x.dtype))
+
+    def _rule(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: DeltaNetState, t: int) -> torch.Tensor:
+        """One sequence's conv and gated delta rule over its T rows, continuing `state` -> o [T, Hv, Dv]."""
+        s = self.shape
+        mixed = F.silu(causal_conv1d(qkv, state.conv, self.conv_weight))  # [T, C]
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = self._expand_heads(l2_normalize(q.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))  # [T, Hv, Dk]
         k = self._expand_heads(l2_normalize(k.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))
         q = q * s.head_k_dim**-0.5
         v = v.reshape(t, s.n_v_heads, s.head_v_dim)  # [T, Hv, Dv]
-        b, a = self.beta_alpha(x)  # [T, Hv] each
         beta = torch.sigmoid(b.float())
         g = self.a * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
         if t == 1:
-            o = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
-        else:
-            o = chunked_gated_delta_rule(q, k, v, g, beta, state.ssm, self.chunk_size)
-        if not state.counted_outside:
-            state.length += t
-        z = self.gate(x).view(t, s.n_v_heads, s.head_v_dim)
-        o = rms_norm(o, self.norm, self.eps) * F.silu(z.float())  # [T, Hv, Dv]
-        return self.out(o.reshape(t, s.value_dim).to(x.dtype))
+            return recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
+        return chunked_gated_delta_rule(q, k, v, g, beta, state.ssm, self.chunk_size)

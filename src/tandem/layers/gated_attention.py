@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from tandem.cuda.streams import side_by_side
-from tandem.layers.attention import AttentionShape, normed_rotated_attend
+from tandem.layers.attention import AttentionShape, attend_step
 from tandem.layers.linear import Linear
 from tandem.layers.rope import Rope
-from tandem.runtime.kv_cache import LayerKV
+from tandem.state.batch import StepBatch
+from tandem.state.kv_cache import KVPool
 
 
 @dataclass
@@ -35,10 +36,12 @@ class GatedAttention:
         if self.shape.value_dim != self.shape.head_dim:
             raise ValueError("gated attention needs value_dim == head_dim (the gate has head_dim channels per head)")
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> LayerKV:
-        return self.shape.new_kv(n_ctx, dtype, device, n_batch)
+    def new_state(
+        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
+    ) -> KVPool:
+        return self.shape.new_kv(n_slots, n_ctx, dtype, device, n_batch)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV, start: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         s = self.shape
         t = x.shape[0]
         qg, k, v = side_by_side(x, self.q_gate, self.k, self.v)  # one token on a GPU: at once
@@ -47,5 +50,5 @@ class GatedAttention:
         gate = qg[:, :, 1].reshape(t, s.n_heads * s.head_dim)
         k = k.view(t, s.n_kv_heads, s.head_dim)
         v = v.view(t, s.n_kv_heads, s.value_dim)
-        out = normed_rotated_attend(self, q, k, v, positions, cache, start).reshape(t, s.n_heads * s.value_dim)
+        out = attend_step(self, q, k, v, batch, pool).reshape(t, s.n_heads * s.value_dim)
         return self.o(out * torch.sigmoid(gate.float()).to(out.dtype))

@@ -18,7 +18,7 @@ from tandem.layers.norm import rms_norm
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, check_gate_up
 from tandem.quant.ggml_weights import GGMLWeight
 
-# The result of routed experts that may still be computing on the host (see runtime/offload.py).
+# The result of routed experts that may still be computing on the host (see weights/offload.py).
 Pending = Callable[[], torch.Tensor]
 
 
@@ -234,7 +234,7 @@ def _gelu_table_on(device: torch.device) -> torch.Tensor:
 @dataclass(frozen=True)
 class GGMLValuedGLU:
     """`inner` giving the values of its ggml op on any device, for experts computed on a GPU in place of ggml's
-    beside ggml's own (--pcie-experts, runtime/offload.py). ggml's GEGLU reads its f16 GELU table, which
+    beside ggml's own (--pcie-experts, weights/offload.py). ggml's GEGLU reads its f16 GELU table, which
     `gelu_tanh_ggml` reads on the CPU only (on a GPU it is the formula, ~1e-3 away: enough to send a token of a
     tiny Gemma 4 to other experts); ggml's other gated units are the formulas torch computes."""
 

@@ -18,15 +18,20 @@ from tandem.layers.moe import GLUExperts, MoE, SoftmaxTopKRouter
 from tandem.layers.norm import add_rms_norm, rms_norm
 from tandem.layers.rope import Rope, RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig
-from tandem.runtime.loader import WeightLoader
+from tandem.state.batch import StepBatch
+from tandem.weights.loader import WeightLoader
 
 
 class Mixer(Protocol):
     """Mixes information across positions; owns the per-layer sequence state it needs."""
 
-    def new_state(self, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> Any: ...
+    def new_state(
+        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
+    ) -> Any:
+        """The layer's state of every slot (a pool with the slot axis first, whose `slot(i)` is one sequence's)."""
+        ...
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, batch: StepBatch, pool: Any) -> torch.Tensor: ...
 
 
 @dataclass
@@ -40,8 +45,8 @@ class Block:
     eps: float
     out_scale: torch.Tensor | None = None  # multiplies the block's output (Gemma 4's layer scalar)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, state: Any, start: int) -> torch.Tensor:
-        h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), positions, state, start)
+    def __call__(self, x: torch.Tensor, batch: StepBatch, pool: Any) -> torch.Tensor:
+        h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), batch, pool)
         if self.post_mixer_norm is not None:
             h = rms_norm(h, self.post_mixer_norm, self.eps)
         if self.ffn_norm is None:

@@ -1,6 +1,6 @@
 """The decoder-only transformer every supported architecture is an instance of.
 
-Shapes: T = tokens in this step, D = hidden, V = vocabulary.
+Shapes: T = tokens in this step (of every sequence in it), D = hidden, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.models.blocks import BlockBuilder, RopeCache, standard_block
 from tandem.models.config import ModelConfig
-from tandem.runtime.kv_cache import KVCache
-from tandem.runtime.loader import QuantEmbedding, WeightLoader
+from tandem.state.batch import StepBatch
+from tandem.state.pool import StatePool
+from tandem.weights.loader import QuantEmbedding, WeightLoader
 
 
 class DecoderModel:
@@ -33,16 +34,10 @@ class DecoderModel:
         self.host_boundaries = list(loader.host_boundaries)  # where a captured decode step must run host code
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens `ids` [T] after the cache's current length; logits [T, V] or [1, V] (last only)."""
-        t = ids.shape[0]
-        cache.check_room(t)
-        start = cache.length
-        positions = torch.arange(start, start + t, device=self.device)
-        logits = self.step(ids, positions, cache, start, all_logits)
-        cache.length += t
-        cache.tokens.extend(ids.tolist())
-        return logits
+    def forward(self, batch: StepBatch, pool: StatePool) -> torch.Tensor:
+        """Run one step over the sequences of `batch` (their states in `pool`): logits [rows, V] of the batch's
+        logit rows (each sequence's last token, or every token). The caller counts the tokens in the caches."""
+        return self.blocks_and_head(self.embed_tokens(batch.ids), batch, pool)
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -50,32 +45,23 @@ class DecoderModel:
         return self.embed(ids) * self.cfg.embed_scale
 
     @torch.inference_mode()
-    def step(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, all_logits: bool = False
-    ) -> torch.Tensor:
-        """The computation of `forward`, without the cache bookkeeping."""
-        return self.blocks_and_head(self.embed_tokens(ids), positions, cache, start, all_logits)
-
-    @torch.inference_mode()
-    def blocks_and_head(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int, all_logits: bool = False
-    ) -> torch.Tensor:
-        """From embeddings x [T, D] to logits: with one token on a GPU this reads positions from the
-        device and has fixed shapes, so it can be captured as a CUDA graph."""
-        for block, kv in zip(self.blocks, cache.layers, strict=True):
-            x = block(x, positions, kv, start)
-        if not all_logits:
-            x = x[-1:]
-        logits = self.output(rms_norm(x, self.output_norm, self.cfg.rms_eps)).float()  # [T, V]
+    def blocks_and_head(self, x: torch.Tensor, batch: StepBatch, pool: StatePool) -> torch.Tensor:
+        """From embeddings x [T, D] to logits: a decode step on a GPU reads positions and slots from the device
+        and has fixed shapes, so it can be captured as a CUDA graph."""
+        for block, layer_pool in zip(self.blocks, pool.layers, strict=True):
+            x = block(x, batch, layer_pool)
+        if batch.logit_rows is not None:
+            x = x.index_select(0, batch.logit_rows)
+        logits = self.output(rms_norm(x, self.output_norm, self.cfg.rms_eps)).float()  # [rows, V]
         if self.cfg.final_logit_softcap is not None:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def new_cache(self, n_ctx: int, dtype: torch.dtype, n_batch: int) -> KVCache:
-        """Fresh sequence state on the compute device for steps of at most n_batch tokens: each block's mixer
-        allocates what it needs."""
+    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype, n_batch: int) -> StatePool:
+        """Fresh state of `n_slots` sequences on the compute device for steps of at most n_batch tokens each:
+        each block's mixer allocates what it needs."""
         for rope in self.ropes.values():
             rope.reserve(n_ctx, self.device)
-        states = [b.mixer.new_state(n_ctx, dtype, self.device, n_batch) for b in self.blocks]
-        return KVCache(layers=states, n_ctx=n_ctx)
+        layers = [b.mixer.new_state(n_slots, n_ctx, dtype, self.device, n_batch) for b in self.blocks]
+        return StatePool.of_layers(layers, n_slots, n_ctx)

@@ -35,7 +35,7 @@ from tandem.layers.rope import RopeSpec
 from tandem.models.blocks import Block, RopeCache
 from tandem.models.config import LayerSpec, ModelConfig, MoESpec, block_count, rope_scale, sliding_window_layers
 from tandem.models.gemma3 import geglu_activation
-from tandem.runtime.loader import WeightLoader
+from tandem.weights.loader import WeightLoader
 
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
 

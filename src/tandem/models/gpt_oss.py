@@ -30,7 +30,7 @@ from tandem.models.config import (
     sliding_window_layers,
     yarn_rope_scaling,
 )
-from tandem.runtime.loader import WeightLoader
+from tandem.weights.loader import WeightLoader
 
 DEFAULT_SLIDING_WINDOW_PATTERN = 2  # llama.cpp: load_swa_pattern(ml, 2) -> even layers are sliding
 

@@ -40,7 +40,7 @@ from tandem.models.config import (
     rope_scale,
     shape_fields,
 )
-from tandem.runtime.loader import WeightLoader
+from tandem.weights.loader import WeightLoader
 
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default when the file has no layer list
 # Upper bounds of the `ssm.*` sizes (real models: 16 key heads, 32 value heads, 128-wide heads, a kernel of 4); the

@@ -28,12 +28,14 @@ def expert_layer(name: str) -> int | None:
 class RuntimeShape:
     """What, besides weights, takes device memory: KV cache and activations."""
 
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # per sequence
     n_batch: int = 512
     cache_bytes_per_value: int = 2  # f16
+    n_seq: int = 1  # sequences the state pool holds (-np/--parallel)
 
     def __post_init__(self) -> None:
-        for name, value in (("n_ctx (-c/--ctx-size)", self.n_ctx), ("n_batch (-b/--batch-size)", self.n_batch)):
+        for name, value in (("n_ctx (-c/--ctx-size)", self.n_ctx), ("n_batch (-b/--batch-size)", self.n_batch),
+                            ("n_seq (-np/--parallel)", self.n_seq)):  # fmt: skip
             if value <= 0:
                 raise TandemError(f"{name} must be positive, got {value}")
 
@@ -89,8 +91,9 @@ class PlacementPlan:
 
 
 def kv_cache_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
-    """The GPU KV cache: per layer (Gemma 4's sliding and global layers differ in KV heads and head size),
-    n_ctx rows, or a sliding-window layer's ring of window + n_batch - 1 (layers/attention.py new_kv)."""
+    """The GPU KV cache of every sequence of the state pool: per sequence and layer (Gemma 4's sliding and global
+    layers differ in KV heads and head size), n_ctx rows, or a sliding-window layer's ring of window + n_batch - 1
+    (layers/attention.py new_kv)."""
     total = 0
     for layer in cfg.layers:
         per_row = (layer.n_kv_heads or cfg.n_kv_heads) * (
@@ -99,7 +102,7 @@ def kv_cache_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:
         window = layer.sliding_window
         rows = shape.n_ctx if window is None else min(shape.n_ctx, window + shape.n_batch - 1)
         total += rows * per_row
-    return total * shape.cache_bytes_per_value
+    return total * shape.cache_bytes_per_value * shape.n_seq
 
 
 def workspace_bytes(cfg: ModelConfig, shape: RuntimeShape) -> int:

@@ -256,7 +256,7 @@ def repack_experts(w: GGMLWeight) -> GGMLWeight:
     this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's interleaved gemv; else
     w as it is. llama.cpp leaves `--cpu-moe` experts in the file mapping: this costs host RAM equal to the
     stack and bought ~1.05-1.15x per product on a 2-vCPU Xeon, but no decode speed on the GPU machine
-    (runtime/repack.py); the blocks in the file stay what prefill streams to the GPU."""
+    (weights/repack.py); the blocks in the file stay what prefill streams to the GPU."""
     if not repackable_experts(w):
         return w
     repacked = RepackedTensor.create(w)

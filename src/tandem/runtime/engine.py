@@ -1,98 +1,156 @@
-"""One sequence's engine: feed tokens (reusing the cached prefix), get next-token logits."""
+"""The engine: sequences in the slots of one state pool, advanced together step by step.
+
+`step()` is the whole loop: the scheduler picks each sequence's tokens (scheduler.py), the runner runs them as
+one batch (runner.py), the engine samples the sequences whose step ended at their last token and finishes those
+that are done. `LLM.generate` and `tandem run` are a batch of one through the same loop; `feed`, `append` and
+`all_logits` drive slot 0 directly (logits for tests and fidelity checks)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Iterator
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.attention import Attention
-from tandem.layers.delta_net import GatedDeltaNet
-from tandem.layers.gated_attention import GatedAttention
 from tandem.models.decoder import DecoderModel
+from tandem.runtime.runner import ModelRunner
+from tandem.runtime.sampling import Sampler
+from tandem.runtime.scheduler import Scheduler, reuse_prefix
+from tandem.runtime.sequence import Sequence
+from tandem.state.kv_cache import ContextFullError, KVCache
 
-# Mixers whose one-token step on a GPU keeps fixed shapes, reads positions from the device and updates its
-# state in place, so it can be captured as a CUDA graph: attention stores K/V by a device index
-# (kv_cache.LayerKV.store); the delta-net updates its conv and recurrent state with copy_ and leaves its
-# position count to KVCache.captured_step / advance.
-CAPTURABLE_MIXERS = (Attention, GatedAttention, GatedDeltaNet)
+
+@dataclass
+class StepOutput:
+    """A token sampled for `seq` in a step (None: it finished without one, e.g. on an end-of-generation token)."""
+
+    seq: Sequence
+    token: int | None
 
 
 class Engine:
-    """Owns a model and the KV cache of the current sequence; prefill runs in batches of n_batch."""
+    """Owns a model, the state pool of `n_slots` sequences of up to n_ctx tokens, the runner and the scheduler;
+    a step computes at most n_batch tokens."""
 
     def __init__(
-        self, model: DecoderModel, n_ctx: int, cache_dtype: torch.dtype, n_batch: int = 512, graphs: bool = True
+        self,
+        model: DecoderModel,
+        n_ctx: int,
+        cache_dtype: torch.dtype,
+        n_batch: int = 512,
+        graphs: bool = True,
+        n_slots: int = 1,
     ) -> None:
         self.model = model
         self.n_batch = n_batch
-        self.cache = model.new_cache(n_ctx, cache_dtype, n_batch)
-        self._decode_graph = self._graph_if_possible() if graphs else None
-        self._warm = False
+        self.n_ctx = n_ctx
+        self.pool = model.new_pool(n_slots, n_ctx, cache_dtype, n_batch)
+        self.runner = ModelRunner(model, self.pool, graphs)
+        self.scheduler = Scheduler(self.pool, n_batch)
+        self._ids = itertools.count()
 
-    def _graph_if_possible(self) -> Callable[[int], torch.Tensor] | None:
-        """A captured decode step on a GPU when every layer's mixer is one of CAPTURABLE_MIXERS."""
-        model = self.model
-        if model.device.type != "cuda":
-            return None
-        if not all(type(b.mixer) in CAPTURABLE_MIXERS for b in model.blocks):
-            return None
-        from tandem.cuda.graphs import DecodeGraph
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: Tokens[int], sampler: Sampler, max_tokens: int, stop_ids: frozenset[int]) -> Sequence:
+        """Queue a generation of up to `max_tokens` tokens after `prompt` (negative: until the context is full)."""
+        if len(prompt) > self.n_ctx:
+            raise ContextFullError(
+                f"context full: the prompt's {len(prompt)} tokens exceed the context size {self.n_ctx} "
+                f"(raise -c/--ctx-size)"
+            )
+        seq = Sequence(next(self._ids), list(prompt), sampler, max_tokens, stop_ids)
+        if max_tokens == 0:
+            self.scheduler.finish(seq, "length")
+        else:
+            self.scheduler.add(seq)
+        return seq
 
-        return DecodeGraph(model, self.cache, model.host_boundaries)
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        """One step of every running sequence (and of those admitted now); the tokens sampled in it."""
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        try:
+            logits = self.runner.run([(w.seq.slot, w.tokens) for w in work])  # type: ignore[misc]
+        except BaseException:
+            for w in work:  # their slots' states are unknown after a failed step: forget them
+                self.pool.caches[w.seq.slot].truncate(0)  # type: ignore[index]
+                self.scheduler.finish(w.seq, "abort")
+            raise
+        out = []
+        for w, row in zip(work, logits, strict=True):
+            if not w.samples:
+                continue
+            seq = w.seq
+            token = seq.sampler(row, seq.tokens)
+            if token in seq.stop_ids:
+                self.scheduler.finish(seq, "stop")
+                out.append(StepOutput(seq, None))
+                continue
+            seq.output.append(token)
+            out.append(StepOutput(seq, token))
+            cache = self.pool.caches[seq.slot]  # type: ignore[index]
+            if len(seq.output) == seq.max_tokens or cache.length >= self.n_ctx:
+                self.scheduler.finish(seq, "length")
+        return out
+
+    def generate(self, seq: Sequence) -> Iterator[int]:
+        """`seq`'s tokens as they are sampled, stepping the engine (and every other sequence in it) until it ends;
+        a caller that stops early (a stop string) aborts it."""
+        try:
+            while not seq.finished:
+                for o in self.step():
+                    if o.seq is seq and o.token is not None:
+                        yield o.token
+        finally:
+            self.abort(seq)
+
+    # -- slot 0, driven directly -----------------------------------------------------------------
+    @property
+    def cache(self) -> KVCache:
+        """Slot 0's cache (the one sequence of `feed`, `append` and `all_logits`)."""
+        return self.pool.caches[0]
 
     @property
     def context_full(self) -> bool:
-        """Whether the sequence fills the context: nothing more can be appended."""
-        return self.cache.length >= self.cache.n_ctx
+        """Whether slot 0 fills the context: nothing more can be appended."""
+        return self.cache.length >= self.n_ctx
 
     def reset(self) -> None:
         self.cache.truncate(0)
 
-    def feed(self, ids: Sequence[int]) -> torch.Tensor:
-        """Make the sequence equal to `ids` and return the logits [V] after its last token.
-
-        The longest prefix already in the cache is kept (multi-turn chat does not recompute it);
-        at least the last token is recomputed, since its logits are needed. Recurrent (linear-attention)
-        state cannot be cut back to an arbitrary prefix: the cache falls back to its latest checkpoint
-        below it (or to the start), and a checkpoint is taken before the last prompt token so that the
-        next turn, which starts with this prompt, resumes there.
-        """
-        cached = self.cache.tokens
-        keep = 0
-        limit = min(len(cached), len(ids) - 1)
-        while keep < limit and cached[keep] == ids[keep]:
-            keep += 1
-        self.cache.truncate(keep)
-        start = self.cache.length  # <= keep with recurrent layers
+    def feed(self, ids: Tokens[int]) -> torch.Tensor:
+        """Make slot 0's sequence equal to `ids` and return the logits [V] after its last token, the longest
+        prefix already there kept (`reuse_prefix`); with recurrent layers a checkpoint is taken before the
+        last token, so that the next call starting with `ids` resumes there."""
+        ids = list(ids)
+        reuse_prefix(self.cache, ids)
+        start = self.cache.length
         if self.cache.has_recurrent and start < len(ids) - 1:
             self.append(ids[start:-1])
             self.cache.checkpoint()
             return self.append(ids[-1:])
         return self.append(ids[start:])
 
-    def append(self, ids: Sequence[int]) -> torch.Tensor:
-        """Run new tokens after the cached ones; logits [V] after the last."""
-        if len(ids) == 1 and self._decode_graph is not None:
-            if self._warm:  # the first step runs eagerly: it compiles the kernels the capture will record
-                self.cache.check_room(1)
-                with self.cache.captured_step():  # no Python-side counting in what is captured ...
-                    logits = self._decode_graph(ids[0])
-                self.cache.advance(ids)  # ... it is done here, after every replay
-                return logits
-            self._warm = True
+    def append(self, ids: Tokens[int]) -> torch.Tensor:
+        """Run new tokens after slot 0's cached ones, in steps of n_batch; logits [V] after the last."""
+        assert ids, "append() needs at least one token"
         logits = None
         for i in range(0, len(ids), self.n_batch):
-            chunk = torch.tensor(ids[i : i + self.n_batch], dtype=torch.long)
-            logits = self.model.forward(chunk, self.cache)
-        assert logits is not None, "append() needs at least one token"
+            logits = self.runner.run([(0, ids[i : i + self.n_batch])])
+        assert logits is not None
         return logits[-1]
 
-    def all_logits(self, ids: Sequence[int]) -> torch.Tensor:
-        """Logits [T, V] at every position of a fresh sequence `ids`."""
+    def all_logits(self, ids: Tokens[int]) -> torch.Tensor:
+        """Logits [T, V] at every position of a fresh sequence `ids` in slot 0."""
         self.reset()
-        out = []
-        for i in range(0, len(ids), self.n_batch):
-            chunk = torch.tensor(ids[i : i + self.n_batch], dtype=torch.long)
-            out.append(self.model.forward(chunk, self.cache, all_logits=True))
-        return torch.cat(out)
+        chunks = [ids[i : i + self.n_batch] for i in range(0, len(ids), self.n_batch)]
+        return torch.cat([self.runner.run([(0, chunk)], all_logits=True) for chunk in chunks])

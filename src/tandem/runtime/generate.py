@@ -3,7 +3,6 @@ and stream text without splitting UTF-8 characters or leaking a partial stop str
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -18,22 +17,10 @@ def generate_tokens(
     max_tokens: int,
     stop_ids: frozenset[int],
 ) -> Iterator[int]:
-    """Yield up to `max_tokens` sampled tokens after `prompt` (a negative count: no limit, as llama.cpp's -n -1);
-    an end-of-generation token ends it (and is not yielded), and so does a full context (as llama.cpp stops
-    without context shift, and as vLLM finishes with "length"): `engine.context_full` then tells."""
-    if max_tokens == 0:
-        return
-    history = list(prompt)
-    logits = engine.feed(prompt)
-    for i in itertools.count(1):
-        token = sampler(logits, history)
-        if token in stop_ids:
-            return
-        yield token
-        history.append(token)
-        if i == max_tokens or engine.context_full:
-            return
-        logits = engine.append([token])
+    """Yield up to `max_tokens` sampled tokens after `prompt` (a negative count: no limit, as llama.cpp's -n -1),
+    a sequence of the engine's batch; an end-of-generation token ends it (and is not yielded), and so does a full
+    context (as llama.cpp stops without context shift, and as vLLM finishes with "length")."""
+    return engine.generate(engine.add_request(prompt, sampler, max_tokens, stop_ids))
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""Per-sequence state: one LayerState per layer (K/V buffers for attention), filled position by position."""
+"""Sequence state: one LayerState per layer (K/V buffers for attention), filled position by position, and the
+pools that hold every slot's buffers along a leading slot axis (a batched decode step reads them by slot)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,7 +24,8 @@ class StateOrderError(TandemError):
 
 @dataclass
 class LayerKV:
-    """K/V of one layer: [R, H_kv, D] each, position p in row p % R; positions [0, length) were written.
+    """K/V of one layer for one sequence (a slot of a `KVPool`): [R, H_kv, D] each, position p in row p % R;
+    positions [0, length) were written.
 
     R is n_ctx (every position stays), or for a sliding-window layer on a GPU, a ring of window + n_batch - 1
     rows (`window` set): enough for the last query of a batch of n_batch tokens to see its window, as
@@ -39,27 +40,6 @@ class LayerKV:
     _f32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _f32_valid: int = field(default=0, init=False, repr=False)
 
-    @classmethod
-    def allocate(
-        cls,
-        n_ctx: int,
-        n_kv_heads: int,
-        k_dim: int,
-        v_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        window: int | None = None,
-        n_batch: int = 1,
-    ) -> LayerKV:
-        """A full buffer of n_ctx rows, or with `window`, a ring of window + n_batch - 1 rows where that is
-        fewer."""
-        rows = n_ctx if window is None else min(n_ctx, window + n_batch - 1)
-        return cls(
-            k=torch.zeros(rows, n_kv_heads, k_dim, dtype=dtype, device=device),
-            v=torch.zeros(rows, n_kv_heads, v_dim, dtype=dtype, device=device),
-            window=window if rows < n_ctx else None,
-        )
-
     @property
     def rows(self) -> int:
         return self.k.shape[0]
@@ -67,30 +47,14 @@ class LayerKV:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + (sum(t.nbytes for t in self._f32) if self._f32 is not None else 0)
 
-    def by_index(self, n_tokens: int, positions: torch.Tensor | None) -> bool:
-        """Whether a step of `n_tokens` at `positions` writes by index (see `store`): one token on a GPU."""
-        return positions is not None and self.k.is_cuda and n_tokens == 1
-
     def can_truncate(self, length: int, to: int) -> bool:
         """Whether a cache holding positions [0, length) still holds what a sequence cut to `to` attends to."""
         return self.window is None or max(0, to - self.window + 1) >= length - self.rows
 
-    def store(
-        self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Write k/v [T, H_kv, D] at positions start..start+T-1 and return (keys, values, first): the keys and
-        values to attend to, those of positions first, first + 1, ..., in order.
-
-        A one-token step on a GPU writes by index (`positions`, a device tensor) and returns the whole
-        buffer (first 0; a ring's rows by position modulo its size), so the step has the same shapes at every
-        position and can be replayed as a CUDA graph; positions not yet written are masked by causality.
-        """
-        if self.by_index(k.shape[0], positions):
-            assert positions is not None
-            rows = positions % self.rows if self.window is not None else positions
-            self.k.index_copy_(0, rows, k.to(self.k.dtype))
-            self.v.index_copy_(0, rows, v.to(self.v.dtype))
-            return self.k, self.v, 0
+        values to attend to, those of positions first, first + 1, ..., in order. (A decode step on a GPU writes
+        the pool's rows by index instead: `KVPool`.)"""
         end = start + k.shape[0]
         if self.window is None:
             self.k[start:end] = k.to(self.k.dtype)
@@ -130,13 +94,49 @@ class LayerKV:
         self._f32_valid = end
         return k32[:padded], vt32[..., :padded]
 
-    def store_values(self, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The `by_index` step whose keys the rope kernel already wrote into `self.k` (`Rope.apply(into=)`):
-        v [1, H_kv, Dv] into its row in one kernel (cast included); the whole buffers, as `store` returns."""
-        from tandem.cuda.norm_rope import store_rows
 
-        store_rows(v, positions, self.v)
-        return self.k, self.v, 0
+@dataclass
+class KVPool:
+    """One layer's K/V of every slot: [N, R, H_kv, D] each (N slots), and each slot's `LayerKV` (views of its
+    rows, with its own float32 copies for the CPU attention). A decode step on a GPU writes and reads the pool
+    by slot and position, device tensors only, so that it can be captured as a CUDA graph; every other step
+    works on the slots' views one sequence at a time."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    window: int | None
+    slots: list[LayerKV]
+
+    @classmethod
+    def allocate(
+        cls,
+        n_slots: int,
+        n_ctx: int,
+        n_kv_heads: int,
+        k_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        window: int | None = None,
+        n_batch: int = 1,
+    ) -> KVPool:
+        """Per slot a full buffer of n_ctx rows, or with `window`, a ring of window + n_batch - 1 rows where that
+        is fewer."""
+        rows = n_ctx if window is None else min(n_ctx, window + n_batch - 1)
+        ring = window if rows < n_ctx else None
+        k = torch.zeros(n_slots, rows, n_kv_heads, k_dim, dtype=dtype, device=device)
+        v = torch.zeros(n_slots, rows, n_kv_heads, v_dim, dtype=dtype, device=device)
+        return cls(k, v, ring, [LayerKV(k=k[i], v=v[i], window=ring) for i in range(n_slots)])
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def slot(self, i: int) -> LayerKV:
+        return self.slots[i]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + sum(kv.nbytes() - kv.k.nbytes - kv.v.nbytes for kv in self.slots)
 
 
 class LayerState(Protocol):
@@ -150,10 +150,7 @@ class RecurrentState(Protocol):
     """A layer state that folds every position into a fixed-size summary (linear attention): it cannot
     forget positions one by one, only go back to a snapshot taken earlier."""
 
-    length: int  # positions folded in
-    # True inside `KVCache.captured_step`: the layer neither checks nor counts positions (a replayed CUDA
-    # graph runs no Python); `KVCache.advance` counts them after the step.
-    counted_outside: bool
+    length: int  # positions folded in (counted by `KVCache.advance` after each step, never by the layer)
 
     def nbytes(self) -> int: ...
 
@@ -169,7 +166,7 @@ MAX_CHECKPOINTS = 4  # recurrent-state snapshots kept per sequence (each is a fe
 
 @dataclass
 class KVCache:
-    """The state of one sequence: one LayerState per layer, and the tokens it holds.
+    """The state of one sequence (one slot of a `StatePool`): one LayerState per layer, and the tokens it holds.
 
     With recurrent layers, truncation can only land where their state is known: at the current length,
     at a checkpoint (see `checkpoint`), or at 0; `truncate` then keeps less than asked for.
@@ -188,29 +185,16 @@ class KVCache:
     def _recurrent(self) -> list[RecurrentState]:
         return [layer for layer in self.layers if isinstance(layer, RecurrentState)]
 
-    @contextmanager
-    def captured_step(self) -> Iterator[None]:
-        """Around a one-token step that may be captured as a CUDA graph and replayed: what runs inside
-        must not keep Python-side counts, since a replay runs none of it. The recurrent layers then skip
-        their position check and count (checked here, before); the caller runs `advance` after the step.
-
-        The graph reads and writes the state tensors allocated with the cache, in place: snapshots are
-        copies and `truncate` copies them back, so the captured step always works on the live state."""
-        recurrent = self._recurrent()
-        for layer in recurrent:
+    def check_order(self) -> None:
+        """Before a step: every recurrent state holds exactly the cache's positions (a step that failed halfway,
+        or a length set by hand, would otherwise fold the next tokens in at the wrong place)."""
+        for layer in self._recurrent():
             if layer.length != self.length:
                 raise StateOrderError(f"recurrent state holds {layer.length} positions, the cache {self.length}")
-        for layer in recurrent:
-            layer.counted_outside = True
-        try:
-            yield
-        finally:
-            for layer in recurrent:
-                layer.counted_outside = False
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Count `tokens` as computed after the current ones, by a step that did not count them
-        (`captured_step`)."""
+        """Count `tokens` as computed after the current ones (the runner, after every step: a replayed CUDA graph
+        runs no Python, so no layer counts positions itself)."""
         for layer in self._recurrent():
             layer.length += len(tokens)
         self.length += len(tokens)

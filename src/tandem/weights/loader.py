@@ -27,8 +27,8 @@ from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
-from tandem.runtime.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
-from tandem.runtime.repack import ExpertRepacks
+from tandem.weights.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
+from tandem.weights.repack import ExpertRepacks
 
 PAGE_PROBE = 4096  # bytes copied once to check that page-locked file memory can be copied from
 OFFLOAD_MIN_BATCH = 32  # as llama.cpp: from this many tokens, CPU experts are streamed to the GPU
@@ -152,7 +152,7 @@ class WeightLoader:
 
     def cpu_experts(self, info: TensorInfo) -> GGMLExperts:
         """A stack of experts computed by ggml on the CPU, straight on the file's blocks, or on a repacked copy
-        of them with --repack-experts (Q4_K, where ggml repacks it on this CPU; runtime/repack.py)."""
+        of them with --repack-experts (Q4_K, where ggml repacks it on this CPU; weights/repack.py)."""
         self._record(info, info.data)
         return GGMLExperts(self._repacks.weight(info), self.kernels)
 

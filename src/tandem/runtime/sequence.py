@@ -1,0 +1,40 @@
+"""A request of the engine: its tokens, sampling, stop conditions, slot and status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tandem.runtime.sampling import Sampler
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not yet given a slot
+    RUNNING = "running"  # in a slot: prefilling its prompt, then decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation: `prompt` then the sampled `output`, up to `max_tokens` (negative: until the context is
+    full). An end-of-generation token in `stop_ids` ends it without being added. `finish_reason` once finished:
+    "stop" (an end-of-generation token, or the caller stopped it at a stop string), "length" (max_tokens or a
+    full context) or "abort"."""
+
+    id: int
+    prompt: list[int]
+    sampler: Sampler
+    max_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
