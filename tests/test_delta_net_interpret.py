@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' impo
 import pytest
 import torch
 from delta_net_refs import HIDDEN, assert_close, make_layer, random_state, set_inputs
+from delta_net_refs import step as run_step
 
 from tandem.layers.delta_net import DeltaNetShape
 
@@ -51,13 +52,13 @@ def test_fused_step_matches_torch_path(name: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for step in range(STEPS):
         set_inputs(layer, g)
-        ref = layer(x, torch.tensor([step]), ref_state, step)  # x is on the CPU: the torch path
-        got = layer._fused_step(x, state)
+        ref = run_step(layer, x, ref_state)  # the sequence's own path: torch
+        got = run_step(layer, x, state, pooled=True)  # a pooled decode step: the kernels
         assert got.shape == (1, shape.value_dim) and got.dtype == dtype
         assert torch.equal(state.conv, ref_state.conv), f"step {step}: conv state"
         assert_close(state.ssm, ref_state.ssm, f"step {step}: recurrent state")
         assert_close(got, ref, f"step {step}: output")
-    assert ref_state.length == STEPS and state.length == 0  # the layer counts positions, not the kernels
+    assert ref_state.length == state.length == STEPS
 
 
 def test_large_heads_do_not_fit() -> None:
