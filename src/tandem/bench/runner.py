@@ -1,4 +1,5 @@
-"""`tandem bench`: prefill (pp) and decode (tg) tokens/s, the median of several repetitions."""
+"""`tandem bench`: prefill (pp) and decode (tg) tokens/s, the median of several repetitions; with --concurrency,
+the engine's throughput with N sequences at once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tandem.api import LLM
+from tandem.runtime.sampling import Sampler, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,52 @@ def run_bench(llm: LLM, model_name: str, load_s: float, pp: int, tg: int, reps: 
         tg_tok_s=tg / statistics.median(decode),
         peak_rss_bytes=peak_rss_bytes(),
     )
+
+
+@dataclass(frozen=True)
+class ConcurrentResult:
+    """N sequences of pp prompt tokens and tg generated tokens each, admitted together: prefill tok/s (every
+    prompt token over the time until every sequence has its first token), aggregate decode tok/s (the tokens
+    after the first over the time from then until the last sequence ends) and per stream (aggregate / N)."""
+
+    n_seqs: int
+    pp_tokens: int
+    tg_tokens: int
+    pp_tok_s: float
+    tg_tok_s: float
+    tg_tok_s_per_stream: float
+
+
+def time_concurrent(llm: LLM, n: int, pp: int, tg: int, seed: int) -> tuple[float, float]:
+    """Seconds for `n` prompts of `pp` random tokens to get their first token, and for `tg - 1` more each."""
+    gen = torch.Generator().manual_seed(seed)
+    engine = llm.engine
+    for cache in engine.pool.caches:  # no prefix reuse across repetitions
+        cache.truncate(0)
+    prompts = [torch.randint(0, llm.config.n_vocab, (pp,), generator=gen).tolist() for _ in range(n)]
+    start = time.perf_counter()
+    seqs = [engine.add_request(p, Sampler(SamplingParams(temperature=0.0)), tg, frozenset()) for p in prompts]
+    while not all(s.output for s in seqs):
+        engine.step()
+    first = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    end = time.perf_counter()
+    assert all(len(s.output) == tg for s in seqs), "a sequence ended early"
+    return first - start, end - first
+
+
+def run_concurrent(llm: LLM, sizes: list[int], pp: int, tg: int, reps: int) -> list[ConcurrentResult]:
+    """Per size N (at most the engine's slots): a warm-up (it captures the decode graph of N rows), then the
+    medians of `reps` repetitions."""
+    results = []
+    for n in sizes:
+        time_concurrent(llm, n, min(pp, 16), min(tg, 4), seed=-1 % 2**31)
+        prefill, decode = [], []
+        for rep in range(reps):
+            p, d = time_concurrent(llm, n, pp, tg, seed=rep)
+            prefill.append(p)
+            decode.append(d)
+        aggregate = n * (tg - 1) / statistics.median(decode)
+        results.append(ConcurrentResult(n, pp, tg, n * pp / statistics.median(prefill), aggregate, aggregate / n))
+    return results

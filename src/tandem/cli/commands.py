@@ -8,6 +8,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +366,34 @@ def synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_concurrency(args: argparse.Namespace, pp_sizes: list[int]) -> int:
+    """`tandem bench --concurrency 1,4,16`: the engine with N sequences at once, in this process."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tandem.bench.runner import run_concurrent
+
+    sizes = args.concurrency
+    if min(sizes) <= 0 or args.tg < 2 or len(pp_sizes) != 1:
+        raise TandemError("--concurrency takes positive sizes, one --pp size and --tg of 2 or more")
+    args.parallel = max(args.parallel, *sizes)
+    check_option("n_parallel", args.parallel)
+    llm = _load(args)
+    try:
+        results = run_concurrent(llm, sizes, pp_sizes[0], args.tg, args.reps)
+    finally:
+        llm.close()
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+        return 0
+    table = Table("sequences", f"prefill pp{pp_sizes[0]} tok/s", f"decode tg{args.tg} tok/s (all)", "per stream",
+                  title=f"{Path(llm.file.path).name}, {args.reps} reps (median)")  # fmt: skip
+    for r in results:
+        table.add_row(str(r.n_seqs), f"{r.pp_tok_s:,.1f}", f"{r.tg_tok_s:,.1f}", f"{r.tg_tok_s_per_stream:,.1f}")
+    Console().print(table)
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     check_flags(args)
     if args.compare or args.report or args.matrix:
@@ -381,6 +410,8 @@ def bench(args: argparse.Namespace) -> int:
         raise TandemError("--pp, --tg and --reps must be positive")
     if max(pp_sizes) + args.tg > args.ctx_size:
         raise TandemError(f"--pp {max(pp_sizes)} + --tg {args.tg} exceed the context size {args.ctx_size} (-c)")
+    if args.concurrency:
+        return _bench_concurrency(args, pp_sizes)
     start = time.perf_counter()
     llm = _load(args)
     load_s = time.perf_counter() - start

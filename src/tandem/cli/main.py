@@ -217,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tg", type=int, default=64, help="tokens to generate (default 64)")
     bench.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported (default 3)")
     bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=None,
+        metavar="N,...",
+        help="the engine with N sequences at once (one --pp size): prefill and decode tok/s, aggregate and per stream",
+    )
     _add_compare_flags(bench)
     return parser
 
