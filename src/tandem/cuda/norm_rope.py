@@ -4,8 +4,10 @@
   optionally after a residual add, writing the sum too (one kernel for `x + h` and the norm);
 - `_rope`: one head of one token per program (NEOX pairs (i, i + dim/2)), optionally after a per-head RMSNorm
   (q/k norms), cos/sin gathered at the token's position read on the device, so a captured CUDA graph
-  replays with new positions; optionally written straight into a KV-cache row at that position;
-- `_store_rows`: rows cast into a buffer at positions read on the device (values into the KV cache).
+  replays with new positions; optionally written straight into a KV-cache row at that position (of one
+  sequence's buffer, or of the slot, read on the device too, of a batch's pool of buffers);
+- `_store_rows`: rows cast into a buffer (or a pool's slots) at positions read on the device (values into
+  the KV cache).
 
 Both read strided inputs (views) directly and write contiguous outputs. They run on whatever device the
 tensors are on, so Triton's interpreter (tests without a GPU) runs the same wrappers.
@@ -79,12 +81,14 @@ def _rms_norm(
 
 @triton.jit
 def _rope(
-    x_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, out_rows, head_dim, stride_t, stride_h, stride_d, w_stride,
-    eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+    x_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, out_rows, head_dim, stride_t, stride_h, stride_d,
+    w_stride, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+    POOL: tl.constexpr,
 ):  # fmt: skip
     """out[t, h] = rotate(norm?(x[t, h])) at pos[t]; one (token, head) per program.
 
-    STORE: out is a KV-cache buffer [R, H, Dh] and the result goes to its row pos[t] % R instead of row t."""
+    STORE: out is a KV-cache buffer [R, H, Dh] and the result goes to its row pos[t] % R instead of row t;
+    with POOL a pool [N, R, H, Dh], row slot[t] * R + pos[t] % R, nothing for slot[t] < 0 (padding)."""
     # Every lane d computes x[d] * cos + x[partner] * (+-sin): lanes past the rotated 2 * HALF get cos 1,
     # sin 0 and pass through (partial rotary).
     t = tl.program_id(0).to(tl.int64)
@@ -92,6 +96,10 @@ def _rope(
     d = tl.arange(0, BLOCK)
     in_head = d < head_dim
     rotated = d < 2 * HALF
+    if POOL:  # a padding token loads nothing (its position need not lie in the tables) and stores nothing
+        slot = tl.load(slot_ptr + t)
+        in_head = in_head & (slot >= 0)
+        rotated = rotated & (slot >= 0)
     first = d < HALF
     pair = tl.where(first, d, d - HALF)
     partner = tl.where(first, d + HALF, d - HALF)
@@ -110,21 +118,29 @@ def _rope(
     # Rounded to x's dtype first (a no-op unless STORE): the cache holds what rope-then-cast stored.
     out = out.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     row = pos % out_rows if STORE else t
+    if POOL:
+        row += slot * out_rows
     tl.store(out_ptr + (row * tl.num_programs(1) + h) * head_dim + d, out, mask=in_head)
 
 
 @triton.jit
 def _store_rows(
-    x_ptr, pos_ptr, out_ptr, out_rows, head_dim, stride_t, stride_h, stride_d, BLOCK: tl.constexpr,
+    x_ptr, pos_ptr, slot_ptr, out_ptr, out_rows, head_dim, stride_t, stride_h, stride_d, BLOCK: tl.constexpr,
+    POOL: tl.constexpr,
 ):  # fmt: skip
-    """out[pos[t] % R, h] = x[t, h] in out's dtype (one rounding, as `Tensor.to`), out [R, H, Dh]; one (token,
-    head) per program."""
+    """out[pos[t] % R, h] = x[t, h] in out's dtype (one rounding, as `Tensor.to`), out [R, H, Dh]; with POOL
+    out [N, R, H, Dh] and row slot[t] * R + pos[t] % R, nothing for slot[t] < 0 (padding); one (token, head)
+    per program."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < head_dim
-    x = tl.load(x_ptr + t * stride_t + h * stride_h + d * stride_d, mask=mask)
     row = tl.load(pos_ptr + t).to(tl.int64) % out_rows
+    if POOL:  # a padding token loads and stores nothing
+        slot = tl.load(slot_ptr + t)
+        mask = mask & (slot >= 0)
+        row += slot * out_rows
+    x = tl.load(x_ptr + t * stride_t + h * stride_h + d * stride_d, mask=mask)
     tl.store(out_ptr + (row * tl.num_programs(1) + h) * head_dim + d, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -166,9 +182,14 @@ def _launch_norm(
     )  # fmt: skip
 
 
-def _check_rows_into(x: torch.Tensor, into: torch.Tensor) -> None:
-    # The kernels address `into` as contiguous [P, H, Dh] rows.
-    assert into.is_contiguous() and into.shape[1:] == x.shape[1:], (tuple(into.shape), tuple(x.shape))
+def _rows_into(x: torch.Tensor, into: torch.Tensor, slots: torch.Tensor | None) -> int:
+    """R, the rows of one sequence's buffer: into is [R, H, Dh], or with slots [T] a pool [N, R, H, Dh] (the
+    kernels address either as contiguous [*, H, Dh] rows)."""
+    dims = 3 if slots is None else 4
+    shapes = (tuple(into.shape), tuple(x.shape))
+    assert into.is_contiguous() and into.dim() == dims and into.shape[-2:] == x.shape[1:], shapes
+    assert slots is None or slots.shape == x.shape[:1], (tuple(slots.shape), tuple(x.shape))
+    return into.shape[-3]
 
 
 def rope_rows(
@@ -179,6 +200,7 @@ def rope_rows(
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
     into: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NEOX rotation of x [T, H, Dh] at `positions` [T] (a device tensor, never read on the host), with
     contiguous f32 tables cos/sin [P, dim/2] (dim <= Dh: the dimensions past dim pass through; positions
@@ -187,31 +209,44 @@ def rope_rows(
     norm: an RMSNorm weight [Dh] (or scalar) applied per head before rotating, in f32 (no rounding between).
     into: a contiguous buffer [R, H, Dh] (a KV cache): the rotated token t goes to its row positions[t] % R (a
     sliding-window ring; R is the context for a full cache), rounded to x's dtype then to into's (as rotating
-    then casting), and `into` is returned."""
+    then casting), and `into` is returned.
+    slots (with into; [T] int64, a device tensor): into is a contiguous pool [N, R, H, Dh] of sequences' buffers
+    and token t goes to row positions[t] % R of slot slots[t]; a token whose slot is negative is padding: it
+    reads nothing (its position may lie outside the tables) and stores nothing."""
     t, h, dh = x.shape
     half = cos.shape[1]
     if into is None:
+        assert slots is None, "slots name the rows of `into`"
         out = torch.empty((t, h, dh), dtype=x.dtype, device=x.device)
+        rows = t
     else:
-        _check_rows_into(x, into)
+        rows = _rows_into(x, into, slots)
         out = into
     block = triton.next_power_of_2(dh)
     w = x if norm is None else norm  # any pointer when there is no norm
     _rope[(t, h)](
-        x, positions, cos, sin, w, out, out.shape[0], dh, *x.stride(), 0 if norm is None else _w_stride(norm), eps,
-        HALF=half, BLOCK=block, NORM=norm is not None, STORE=into is not None, num_warps=max(1, block // 256),
+        x, positions, positions if slots is None else slots, cos, sin, w, out, rows, dh, *x.stride(),
+        0 if norm is None else _w_stride(norm), eps,
+        HALF=half, BLOCK=block, NORM=norm is not None, STORE=into is not None, POOL=slots is not None,
+        num_warps=max(1, block // 256),
     )  # fmt: skip
     return out
 
 
-def store_rows(x: torch.Tensor, positions: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+def store_rows(
+    x: torch.Tensor, positions: torch.Tensor, into: torch.Tensor, slots: torch.Tensor | None = None
+) -> torch.Tensor:
     """into[positions[t] % R] = x[t] in into's dtype (x [T, H, Dh], strided; into contiguous [R, H, Dh]; positions
     a device tensor, never read on the host, distinct modulo R): one kernel for
-    `index_copy_(0, positions % R, x.to(...))`."""
+    `index_copy_(0, positions % R, x.to(...))`.
+
+    slots ([T] int64, a device tensor): into is a contiguous pool [N, R, H, Dh] and token t goes to row
+    positions[t] % R of slot slots[t], none where the slot is negative (a padding token)."""
     t, h, dh = x.shape
-    _check_rows_into(x, into)
+    rows = _rows_into(x, into, slots)
     block = triton.next_power_of_2(dh)
     _store_rows[(t, h)](
-        x, positions, into, into.shape[0], dh, *x.stride(), BLOCK=block, num_warps=max(1, block // 256)
+        x, positions, positions if slots is None else slots, into, rows, dh, *x.stride(), BLOCK=block,
+        POOL=slots is not None, num_warps=max(1, block // 256),
     )  # fmt: skip
     return into

@@ -140,20 +140,23 @@ class Rope:
         norm: torch.Tensor | None = None,
         eps: float = 0.0,
         into: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotate x [T, H, Dh] at integer `positions` [T], after an RMSNorm of each head by weight `norm`
         [Dh] when given (q/k norms). On CUDA one Triton kernel does both, with no rounding in between.
 
         into (CUDA only): a contiguous buffer [R, H, Dh] (a KV cache) that receives token t at row
         positions[t] % R (a sliding-window ring; a full cache has a row per position), cast to its dtype, in the
-        same kernel; it is returned."""
+        same kernel; it is returned. slots (CUDA only, with into): [T] int64 on the device, into a pool
+        [N, R, H, Dh] of sequences' buffers, token t to slot slots[t] (none where negative: padding), as
+        `rope_rows` says."""
         if self._cos.device != positions.device or self._cos.shape[0] == 0:
             self.reserve(int(positions.max().item()) + 1, positions.device)
         if x.is_cuda:
             from tandem.cuda.norm_rope import rope_rows
 
-            return rope_rows(x, positions, self._cos, self._sin, norm, eps, into)
-        if into is not None:
+            return rope_rows(x, positions, self._cos, self._sin, norm, eps, into, slots)
+        if into is not None or slots is not None:
             raise ValueError("Rope.apply writes `into` a buffer only on CUDA")
         # numpy: a dozen small steps, each a fraction of torch's per-call cost
         x32 = x.detach().float().contiguous().numpy()
