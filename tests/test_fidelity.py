@@ -81,6 +81,7 @@ def test_cpu_defaults_as_close_as_llama_cpp(family: str, request: pytest.Fixture
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m gpu on the device)")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_defaults_as_close_as_llama_cpp(family: str, request: pytest.FixtureRequest) -> None:
     _check(family, "cuda", ["gpu", "gpu-cpu-moe", "gpu-n-cpu-moe"], request)

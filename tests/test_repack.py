@@ -25,7 +25,7 @@ def expert_stacks(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-
 def test_the_q4k_stacks_are_repacked_on_a_pool(expert_stacks, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     if not ggml.ggml_cpu_has_avx2():
         pytest.skip("ggml repacks Q4_K only with AVX2")
-    from tandem.runtime import repack
+    from tandem.weights import repack
 
     threads = set()
     real = repack.repack_experts
