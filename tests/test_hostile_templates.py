@@ -91,3 +91,21 @@ def test_fifo_template_file_is_refused(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(ChatTemplateError, match="not a regular file"):
         chat_template.read_template_file(str(fifo))
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
+    tiny_qwen3moe_gguf: tuple[Path, Path],
+) -> None:
+    """A template rendering megabytes (the fuzzer's `strftime_now('%Y' * 1000000)`, which took seconds to tokenize):
+    refused by its byte count against the context, before the tokenizer reads it."""
+    import tandem
+    from tandem.state.kv_cache import ContextFullError
+
+    with tandem.LLM(tiny_qwen3moe_gguf[1], device="cpu", threads=1, n_ctx=128) as llm:
+        llm.tokenizer.encode = None  # type: ignore[method-assign]  # never reached
+        start = time.perf_counter()
+        with pytest.raises(ContextFullError, match="bytes cannot fit the context size 128"):
+            llm.generate("2026" * 1_000_000, max_tokens=1)
+        with pytest.raises(ContextFullError, match="bytes cannot fit"):
+            llm.chat([{"role": "user", "content": "x"}], chat_template="{{ '%Y' * 1000000 }}", max_tokens=1)
+        assert time.perf_counter() - start < 5

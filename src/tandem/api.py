@@ -26,7 +26,7 @@ from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts,
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.sampling import Sampler, SamplingParams, check_option
-from tandem.state.kv_cache import CACHE_DTYPES
+from tandem.state.kv_cache import CACHE_DTYPES, ContextFullError
 from tandem.tokenizer import Tokenizer
 from tandem.tokenizer.builtin_templates import arch_template_name, builtin_template
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
@@ -180,6 +180,7 @@ class LLM:
         self.placed: dict[str, str] = loader.placed()
         self.notices: list[str] = loader.notices()
         self.n_ctx = n_ctx
+        self._max_token_bytes: int | None = None  # see _check_fits
         self.engine = Engine(
             self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel
         )
@@ -213,7 +214,22 @@ class LLM:
         return self.engine.all_logits(self._checked_ids(ids)).float().cpu().numpy()
 
     # -- generation -----------------------------------------------------------------------------
+    def _check_fits(self, text: str) -> None:
+        """A prompt text too long to fit the context in any tokenization is refused before tokenizing it (a template
+        can render megabytes, whose tokenization alone takes seconds): no token stands for more than 4 bytes per
+        character of its vocabulary text."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = 4 * max((len(t) for t in self.tokenizer.vocab.tokens), default=1)
+        n_bytes = len(text.encode("utf-8", errors="replace"))
+        if n_bytes > self.n_ctx * self._max_token_bytes:
+            raise ContextFullError(
+                f"context full: the prompt's {n_bytes:,} bytes cannot fit the context size {self.n_ctx} "
+                f"(raise -c/--ctx-size)"
+            )
+
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self._check_fits(prompt)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
         if not ids:
             raise TandemError("the prompt is empty")
@@ -281,6 +297,7 @@ class LLM:
             messages, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
             chat_template_name=chat_template_name,
         )  # fmt: skip
+        self._check_fits(prompt)
         ids = self.tokenizer.encode(prompt, add_special=False)
         if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
             ids = [self.tokenizer.bos_id, *ids]
