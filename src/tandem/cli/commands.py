@@ -431,3 +431,39 @@ def bench(args: argparse.Namespace) -> int:
             f"  load {result.load_s:.2f} s, peak RSS {result.peak_rss_bytes / 2**20:.0f} MiB"
         )
     return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`tandem serve`: the OpenAI- and Ollama-compatible HTTP server (src/tandem/server/), the port bound before
+    the model loads on the engine's thread."""
+    import ipaddress
+
+    from tandem.server import ChatTemplate, listen
+    from tandem.server import serve as run_server
+
+    check_flags(args)
+    if not 0 <= args.port <= 65535:
+        raise TandemError(f"--port must be in 0..65535, got {args.port}")
+    if args.api_key is not None and not args.api_key:
+        raise TandemError("--api-key is empty")
+    template = _template_options(args)
+    sock = listen(args.host, args.port)
+
+    def ready(llm: LLM) -> None:
+        _template_notice(llm, template)
+        host, port = sock.getsockname()[:2]
+        print(f"tandem serve: http://{host}:{port}/v1 (OpenAI) and /api (Ollama), {llm.engine.pool.n_slots} slots "
+              f"of {llm.n_ctx} tokens; Ctrl-C stops", file=sys.stderr)  # fmt: skip
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback and args.api_key is None:
+            print(f"notice: listening on {host} without --api-key: anyone who can reach it can use the model",
+                  file=sys.stderr)  # fmt: skip
+
+    try:
+        run_server(lambda: _load(args), sock, api_key=args.api_key, template=ChatTemplate(**template), on_ready=ready)
+    finally:
+        sock.close()
+    return 0

@@ -1,4 +1,4 @@
-"""`tandem run|chat|inspect|convert|bench`: flags and short names follow llama.cpp where one exists."""
+"""`tandem run|chat|serve|inspect|convert|bench`: flags and short names follow llama.cpp where one exists."""
 
 from __future__ import annotations
 
@@ -182,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("-sys", "--system-prompt", default=None, help="system message")
     _add_template_flag(chat)
 
+    serve = sub.add_parser("serve", help="an OpenAI- and Ollama-compatible HTTP server on the engine")
+    _add_model_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="the TCP port (default 8080)")
+    serve.add_argument(
+        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on all but /health"
+    )
+    _add_template_flag(serve)
+
     inspect = sub.add_parser("inspect", help="metadata, sizes, quant mix and the tensor table")
     inspect.add_argument("-m", "--model", help="GGUF file (default: the bundled model)")
     inspect.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size for the plan (default 4096)")
@@ -235,6 +244,7 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
     return {
         "run": commands.run,
         "chat": commands.chat,
+        "serve": commands.serve,
         "inspect": commands.inspect,
         "convert": commands.convert,
         "synth": commands.synth,
