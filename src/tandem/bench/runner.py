@@ -107,13 +107,13 @@ def time_concurrent(llm: LLM, n: int, pp: int, tg: int, seed: int) -> tuple[floa
     prompts = [torch.randint(0, llm.config.n_vocab, (pp,), generator=gen).tolist() for _ in range(n)]
     start = time.perf_counter()
     seqs = [engine.add_request(p, Sampler(SamplingParams(temperature=0.0)), tg, frozenset()) for p in prompts]
-    while not all(s.output for s in seqs):
+    while not all(s.n_output for s in seqs):
         engine.step()
     first = time.perf_counter()
     while engine.has_work:
         engine.step()
     end = time.perf_counter()
-    assert all(len(s.output) == tg for s in seqs), "a sequence ended early"
+    assert all(s.n_output == tg for s in seqs), "a sequence ended early"
     return first - start, end - first
 
 

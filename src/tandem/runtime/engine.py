@@ -95,10 +95,10 @@ class Engine:
                 self.scheduler.finish(seq, "stop")
                 out.append(StepOutput(seq, None))
                 continue
-            seq.output.append(token)
+            seq.tokens.append(token)
             out.append(StepOutput(seq, token))
             cache = self.pool.caches[seq.slot]  # type: ignore[index]
-            if len(seq.output) == seq.max_tokens or cache.length >= self.n_ctx:
+            if seq.n_output == seq.max_tokens or cache.length >= self.n_ctx:
                 self.scheduler.finish(seq, "length")
         return out
 

@@ -26,14 +26,22 @@ class Sequence:
     sampler: Sampler
     max_tokens: int
     stop_ids: frozenset[int]
-    output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None
     finish_reason: str | None = None
+    # the prompt, then each sampled token: one list the scheduler slices every step, not built anew each time
+    tokens: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def n_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
 
     @property
     def finished(self) -> bool:

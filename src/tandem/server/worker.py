@@ -321,7 +321,7 @@ class EngineWorker:
         now = time.perf_counter()
         first = job.first_token or now
         reason = job.reason or job.seq.finish_reason or "stop"
-        self._emit(job, Finished(reason, len(job.seq.prompt), len(job.seq.output), first - job.submitted,
+        self._emit(job, Finished(reason, len(job.seq.prompt), job.seq.n_output, first - job.submitted,
                                  now - job.submitted))  # fmt: skip
         self._done(job)
 
