@@ -267,26 +267,14 @@ class Server:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": end.reason}  # fmt: skip
             return JSONResponse({**head, "choices": [choice], "usage": _usage(end)})
-        head = self._openai_head("chatcmpl", "chat.completion.chunk")
+        def choice(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
 
-        def chunk(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
-            out = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-            return {**out, "usage": None} if usage else out
-
-        async def lines() -> AsyncIterator[str]:
-            yield _sse(chunk({"role": "assistant", "content": ""}, None))
-            async for event in self._events(job):
-                if isinstance(event, Piece):
-                    yield _sse(chunk({"content": event.text}, None))
-                elif isinstance(event, Finished):
-                    yield _sse(chunk({}, event.reason))
-                    if usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(event)})
-                elif isinstance(event, Failed):
-                    yield _sse(event.error.openai_body())
-            yield "data: [DONE]\n\n"
-
-        return self._stream(job, lines(), "text/event-stream")
+        return self._openai_sse(
+            job, self._openai_head("chatcmpl", "chat.completion.chunk"), usage,
+            opening=choice({"role": "assistant", "content": ""}, None),
+            piece=lambda text: choice({"content": text}, None), last=lambda reason: choice({}, reason),
+        )  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
         body = await self._json(request)
@@ -298,18 +286,38 @@ class Server:
             head = self._openai_head("cmpl", "text_completion")
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.reason}
             return JSONResponse({**head, "choices": [choice], "usage": _usage(end)})
-        head = self._openai_head("cmpl", "text_completion")
+        def choice(text: str, reason: str | None) -> dict[str, Any]:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
-        def chunk(text: str, reason: str | None) -> dict[str, Any]:
-            out = {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+        return self._openai_sse(
+            job, self._openai_head("cmpl", "text_completion"), usage, opening=None,
+            piece=lambda text: choice(text, None), last=lambda reason: choice("", reason),
+        )  # fmt: skip
+
+    def _openai_sse(
+        self,
+        job: Job,
+        head: dict[str, Any],
+        usage: bool,
+        opening: dict[str, Any] | None,
+        piece: Callable[[str], dict[str, Any]],
+        last: Callable[[str], dict[str, Any]],
+    ) -> Response:
+        """An OpenAI answer as server-sent events: the `opening` choice (if any), a `piece` choice per text piece,
+        the `last` choice with the finish reason, the usage chunk when asked for, an error event on a failure."""
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            out = {**head, "choices": [choice]}
             return {**out, "usage": None} if usage else out
 
         async def lines() -> AsyncIterator[str]:
+            if opening is not None:
+                yield _sse(chunk(opening))
             async for event in self._events(job):
                 if isinstance(event, Piece):
-                    yield _sse(chunk(event.text, None))
+                    yield _sse(chunk(piece(event.text)))
                 elif isinstance(event, Finished):
-                    yield _sse(chunk("", event.reason))
+                    yield _sse(chunk(last(event.reason)))
                     if usage:
                         yield _sse({**head, "choices": [], "usage": _usage(event)})
                 elif isinstance(event, Failed):
