@@ -72,6 +72,10 @@
 #     back in $OUT; FIDELITY_SETTINGS picks tandem's settings). MODELS=" " runs no bench.
 #   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
 #     costs, with flags and in order)
+#   BATCHED="1,4,16" (after each model's matrix: bench/batched_compare.py, tandem's engine with N sequences at once
+#     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
+#     BATCHED_TG=64; llama-batched-bench built with CUDA beside the rest, flash-attention kernels included, as its
+#     CLI defaults use them: scripts/build_llamacpp_tools.sh; the tables in the log). MATRIX=none skips the matrix.
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -131,6 +135,12 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   fi
   get_llama >/tmp/llama_build.log 2>&1 &
   llama_pid=$!
+  tools_pid=""
+  if [[ -n "${BATCHED:-}" && "$DEVICE" != cpu ]]; then
+    JOBS="${LLAMA_JOBS:-16}" LLAMA_CMAKE_EXTRA="" bash scripts/build_llamacpp_tools.sh /tmp/llama_tools --cuda \
+      >/tmp/llama_tools.log 2>&1 &
+    tools_pid=$!
+  fi
   ab_pid=""
   if [[ "${AB:-}" == *ggml25* ]]; then  # the second ggml-python, for the AB variants, beside the first
     JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh "$SITE_GGML25" --ggml-from \
@@ -294,16 +304,44 @@ for k in "${!targets[@]}"; do
   ab_share=$(( n_ab > 0 ? share * n_ab / (n_rows + n_ab) / n_ab : 0 ))  # each AB variant: one row's part
   share=$(( share - n_ab * ab_share ))
   budget=$(( share - 15 ))  # 15 s for the orchestrator's start and the report; `timeout` below is the hard stop
+  if [[ -n "${BATCHED:-}" ]]; then  # the batched comparison takes half of what this model has
+    batched_share=$share
+    [[ "$matrix" != none ]] && batched_share=$(( share / 2 ))
+    share=$(( share - batched_share ))
+    budget=$(( share - 15 ))
+  fi
   say "bench $name: $share s (budget $budget s)${AB:+; then $n_ab AB variants, $ab_share s each}"
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
-  timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
-    --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
-    --timeout "$budget" --budget "$budget" --report "$OUT/$name" ${PROCESS_REPS:+--process-reps "$PROCESS_REPS"} \
-    ${BENCH_FLAGS:-} >"/tmp/bench_$name.out"
-  rc=$?
-  say "bench $name: exit $rc"
-  (( rc == 0 )) || status=1
-  [[ -f "$OUT/$name/report.md" ]] && cat "$OUT/$name/report.md"
+  if [[ "$matrix" != none ]]; then
+    timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
+      --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
+      --timeout "$budget" --budget "$budget" --report "$OUT/$name" ${PROCESS_REPS:+--process-reps "$PROCESS_REPS"} \
+      ${BENCH_FLAGS:-} >"/tmp/bench_$name.out"
+    rc=$?
+    say "bench $name: exit $rc"
+    (( rc == 0 )) || status=1
+    [[ -f "$OUT/$name/report.md" ]] && cat "$OUT/$name/report.md"
+  fi
+  if [[ -n "${BATCHED:-}" ]]; then
+    if [[ -n "$tools_pid" ]]; then
+      wait "$tools_pid" && say "llama-batched-bench ready" || { say "llama-batched-bench build FAILED"; tail -20 /tmp/llama_tools.log; }
+      tools_pid=""
+    fi
+    placements=(${BATCHED_PLACEMENTS:-cpu-moe all})
+    for placement in "${placements[@]}"; do
+      flags=()
+      [[ $placement == cpu-moe ]] && flags=(--cpu-moe)
+      [[ $placement =~ ^n-cpu-moe=([0-9]+)$ ]] && flags=(--n-cpu-moe "${BASH_REMATCH[1]}")
+      part=$(( batched_share / ${#placements[@]} ))
+      say "batched $name $placement: npl $BATCHED, $part s"
+      timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
+        --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
+        --llama-bin /tmp/llama_tools/bin/llama-batched-bench --timeout "$(( part / 2 ))" \
+        --out "/tmp/batched_${name}_$placement" >"/tmp/batched_${name}_$placement.out" 2>&1
+      say "batched $name $placement: exit $?"
+      cat "/tmp/batched_${name}_$placement.out"
+    done
+  fi
   for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log
     left=$ab_share  # a prewarmed row: ~25 s (load 2-3 s, warm-up 2-3 s, 3 reps of pp512 + tg128)
     if (( left < 25 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
