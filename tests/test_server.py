@@ -164,8 +164,10 @@ def test_models_health_metrics(server: Running) -> None:
         assert health["status"] == "ok" and health["slots_idle"] == SLOTS
         text = http.get("/metrics").text
     for series in ("tandem_generated_tokens_total", "tandem_prompt_tokens_total", "tandem_requests_total",
-                   "tandem_requests_waiting", "tandem_slots_busy", "tandem_slots "):  # fmt: skip
+                   "tandem_requests_waiting", "tandem_slots_busy", "tandem_slots ",
+                   "tandem_kv_cache_tokens "):  # fmt: skip
         assert series in text
+    assert f"tandem_kv_cache_capacity_tokens {float(SLOTS * N_CTX)}" in text
 
 
 LONG_PROMPT = "word " * (N_CTX + 10)

@@ -32,9 +32,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 class Metrics:
     """The Prometheus series of one server (its own registry): requests by endpoint and status, prompt and
-    generated tokens, requests waiting for a slot, busy slots."""
+    generated tokens, requests waiting for a slot, busy slots, the KV cache's positions in use and in all."""
 
-    def __init__(self, worker: EngineWorker, n_slots: int) -> None:
+    def __init__(self, worker: EngineWorker, n_slots: int, n_ctx: int) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("tandem_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)  # fmt: skip
@@ -45,6 +45,10 @@ class Metrics:
         )
         Gauge("tandem_slots_busy", "Slots running a sequence", registry=r).set_function(lambda: worker.busy_slots)
         Gauge("tandem_slots", "Slots of the engine (-np)", registry=r).set(n_slots)
+        Gauge("tandem_kv_cache_tokens", "Positions held in the slots' KV caches (running and kept for prefix reuse)",
+              registry=r).set_function(lambda: worker.kv_tokens)  # fmt: skip
+        Gauge("tandem_kv_cache_capacity_tokens", "Positions the KV caches hold in all (-np x -c)",
+              registry=r).set(n_slots * n_ctx)  # fmt: skip
         worker.on_tokens = self._count
 
     def _count(self, prompt: int, generated: int) -> None:  # called on the engine's thread
@@ -111,7 +115,7 @@ class Server:
         }
         self.n_slots = llm.engine.pool.n_slots
         self.n_ctx = llm.n_ctx
-        self.metrics = Metrics(worker, self.n_slots)
+        self.metrics = Metrics(worker, self.n_slots, self.n_ctx)
         app = self.app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
         routes: list[tuple[str, str, Handler, bool]] = [
             ("POST", "/v1/chat/completions", self.chat_completions, False),

@@ -137,6 +137,7 @@ class EngineWorker:
         self.llm: LLM | None = None
         self.capacity = 0  # slots + waiting requests allowed (set once loaded)
         self.busy_slots = 0  # read by /health and /metrics (a snapshot the worker refreshes)
+        self.kv_tokens = 0  # positions held in the slots' caches, running sequences' and kept prefixes' (snapshot)
         self.on_tokens: Callable[[int, int], None] = lambda prompt, generated: None  # metrics hook
 
     # -- the HTTP side ---------------------------------------------------------------------------------------
@@ -343,7 +344,9 @@ class EngineWorker:
 
     def _refresh(self) -> None:
         assert self.llm is not None
-        self.busy_slots = len(self.llm.engine.scheduler.running)
+        engine = self.llm.engine
+        self.busy_slots = len(engine.scheduler.running)
+        self.kv_tokens = sum(cache.length for cache in engine.pool.caches)
 
     @property
     def waiting(self) -> int:
