@@ -326,7 +326,8 @@ def test_load_with_random_aborts_leaks_nothing(server: Running) -> None:
     """32 clients for 30 s after a 15 s warm-up (the issue's bounded load test, shortened for CI), each sending
     streamed and plain requests and dropping a third of its streams mid-way: every request is answered (200) or
     refused cleanly (429 with Retry-After), no other status; afterwards every slot is free and the process's
-    resident memory has not grown past noise."""
+    resident memory does not keep growing (measured: +25 to +27 MiB over the first measured phase, then +4 to +10:
+    a plateau; a leak of the first phase's size fails the bound)."""
     import random
 
     import psutil
@@ -360,12 +361,16 @@ def test_load_with_random_aborts_leaks_nothing(server: Running) -> None:
 
     # The same 32 client threads throughout: the warm-up fills what stays (their stacks and malloc arenas, token
     # pieces, connections), so that what the measured part adds is what requests leave behind.
-    # Resident memory rises to a plateau over the first ~25 s of load (malloc's arenas and its growing mmap
-    # threshold keep the freed logits and probability buffers): a leak shows as the same growth phase after phase.
+    # Resident memory rises to a plateau under load: malloc's arenas and its growing mmap threshold keep freed
+    # logits and probability buffers, and the tokenizer caches each token's piece the first time it is shown (up
+    # to 34 MiB for Gemma's 262,144 tokens), filled here at once. A leak shows as the same growth phase after phase.
     rss = psutil.Process().memory_info
     with ThreadPoolExecutor(32) as pool:
         load(pool, 15.0, seed=1)
         server.idle()
+        tokenizer = server.llm.tokenizer
+        for token in range(tokenizer.n_vocab):  # the engine's thread is idle
+            tokenizer.token_to_piece(token)
         before = rss().rss
         statuses = load(pool, 15.0, seed=2)
         server.idle()
@@ -378,4 +383,4 @@ def test_load_with_random_aborts_leaks_nothing(server: Running) -> None:
     print(f"load: {statuses}, resident memory {first:+.1f} then {second:+.1f} MiB")
     assert set(statuses) <= {200, 429} and statuses.get(200, 0) > 32, statuses
     assert server.worker._outstanding == 0
-    assert second < 24, f"resident memory grew {first:.0f} then {second:.0f} MiB under load"
+    assert second < 20, f"resident memory grew {first:.0f} then {second:.0f} MiB under load"

@@ -251,6 +251,9 @@ class LLM:
         top_p: float = 0.95,
         min_p: float = 0.05,
         repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         stream: bool = False,
@@ -262,6 +265,9 @@ class LLM:
             top_p=top_p,
             min_p=min_p,
             repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
             seed=seed,
         )
         stops = [stop] if isinstance(stop, str) else list(stop or [])

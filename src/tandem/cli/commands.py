@@ -106,6 +106,9 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
         "top_p": args.top_p,
         "min_p": args.min_p,
         "repeat_penalty": args.repeat_penalty,
+        "repeat_last_n": args.repeat_last_n,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
         "seed": args.seed,
         "stop": args.stop,
     }
@@ -115,7 +118,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 _NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "parallel": "n_parallel", "threads": "threads",
                   "pcie_experts": "pcie_experts", "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens",
                   "temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed"}  # fmt: skip
+                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
+                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}  # fmt: skip
 
 
 def check_flags(args: argparse.Namespace) -> None:

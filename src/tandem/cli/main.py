@@ -94,7 +94,11 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1.0 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1.0 = off (default)")
-    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back on (default 64)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back on (default 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="lowers seen tokens' logits, 0 = off (default)")
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="lowers seen tokens' logits per occurrence, 0 = off"
+    )
     p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 

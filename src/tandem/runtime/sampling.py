@@ -18,6 +18,7 @@ left, with the probabilities the masked full-vocabulary chain gives them.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ OPTION_LIMITS: dict[str, Limit] = {
     "min_p": Limit("--min-p", 0.0, 1.0, integer=False),
     "repeat_penalty": Limit("--repeat-penalty", 1e-9, 1e9, integer=False),
     "repeat_last_n": Limit("--repeat-last-n", -1, 2**31 - 1),
+    "presence_penalty": Limit("--presence-penalty", -2.0, 2.0, integer=False),  # OpenAI's range
+    "frequency_penalty": Limit("--frequency-penalty", -2.0, 2.0, integer=False),
     "seed": Limit("-s/--seed", -(2**63), 2**64 - 1),  # what torch.Generator.manual_seed takes
     "max_tokens": Limit("-n/--n-predict", -1, 2**31 - 1),
     "n_ctx": Limit("-c/--ctx-size", 1, 1 << 24),
@@ -88,10 +91,13 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"):
+        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
             check_option(name, getattr(self, name))
         if self.seed is not None:
             check_option("seed", self.seed)
@@ -108,16 +114,27 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalizes(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-def penalize_repeats(logits: torch.Tensor, history: Sequence[int], penalty: float, last_n: int) -> torch.Tensor:
-    """Divide positive (multiply negative) logits of tokens seen in the last `last_n` tokens (all with 0)."""
-    recent = history[-last_n:] if last_n > 0 else history
+
+def penalize_repeats(logits: torch.Tensor, history: Sequence[int], p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's penalties sampler over the tokens seen in the last `repeat_last_n` (all with 0): each one's
+    logit divided (if positive, else multiplied) by the repeat penalty, then lowered by count * frequency_penalty
+    + presence_penalty (count: its occurrences there)."""
+    recent = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
     if not recent:
         return logits
-    ids = torch.tensor(sorted(set(recent)), dtype=torch.long, device=logits.device)
+    counts = Counter(recent)
+    ids = torch.tensor(sorted(counts), dtype=torch.long, device=logits.device)
     seen = logits[ids]
+    seen = torch.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        n = torch.tensor([counts[i] for i in sorted(counts)], dtype=torch.float32, device=logits.device)
+        seen = seen - n * p.frequency_penalty - p.presence_penalty
     logits = logits.clone()
-    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    logits[ids] = seen
     return logits
 
 
@@ -210,8 +227,8 @@ class Sampler:
                 f"the model computed {bad} non-finite logits (NaN or infinity) of {logits.numel()}: its weights are "
                 "corrupt or its activations overflowed"
             )
-        if self.params.repeat_penalty != 1.0:
-            logits = penalize_repeats(logits, history, self.params.repeat_penalty, self.params.repeat_last_n)
+        if self.params.penalizes:
+            logits = penalize_repeats(logits, history, self.params)
         if self.params.greedy:
             return int(torch.argmax(logits).item())
         probs, ids = self.candidates(logits)

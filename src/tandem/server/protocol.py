@@ -8,7 +8,6 @@ ignored. Fields that change nothing the server computes (`user`, `metadata`, `ke
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,6 @@ MAX_BODY_BYTES = 8 << 20  # a request body; the prompt must also fit the context
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # TextStream's hold-back check costs the square of a stop string's length per token
 MAX_MESSAGES = 10_000
-PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty, as OpenAI's API: [-2, 2]
 
 
 class APIError(Exception):
@@ -53,8 +51,6 @@ class Generation:
     prompt: str | list[int] | None = None
     max_tokens: int = -1  # -1: until an end-of-generation token or a full context
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     template_kwargs: dict[str, Any] | None = None
 
@@ -111,14 +107,6 @@ class Fields:
             raise APIError(400, f"{self.where}{name}{message}", param=f"{self.where}{name}") from None
         return value
 
-    def penalty(self, name: str) -> float:
-        value = self.get(name, (int, float), "a number")
-        if value is None:
-            return 0.0
-        if not math.isfinite(value) or abs(value) > PENALTY_RANGE:
-            raise self.error(name, f"must be between -{PENALTY_RANGE:g} and {PENALTY_RANGE:g}, got {value}")
-        return float(value)
-
     def stop(self, name: str = "stop") -> list[str]:
         """A string or a list of strings (empty ones dropped)."""
         value = self.body.get(name)
@@ -140,7 +128,8 @@ def sampling(f: Fields, max_tokens_names: tuple[str, ...]) -> Generation:
     """The sampling and stopping fields shared by every endpoint (OpenAI's names, and llama-server's top_k,
     min_p, repeat_penalty, repeat_last_n); absent fields take llama.cpp's defaults, as `tandem run`."""
     given = {name: f.option(name) for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                                               "repeat_last_n", "seed")}  # fmt: skip
+                                               "repeat_last_n", "presence_penalty", "frequency_penalty",
+                                               "seed")}  # fmt: skip
     try:
         params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
     except TandemError as e:  # what check_option's ranges let through (top_p 0, a negative top_k)
@@ -153,8 +142,6 @@ def sampling(f: Fields, max_tokens_names: tuple[str, ...]) -> Generation:
     return Generation(
         max_tokens=max_tokens,
         sampling=params,
-        presence_penalty=f.penalty("presence_penalty"),
-        frequency_penalty=f.penalty("frequency_penalty"),
         stop=f.stop(),
     )
 

@@ -15,12 +15,9 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from tandem.api import LLM
 from tandem.errors import TandemError
@@ -74,37 +71,6 @@ class Job:
     text: TextStream | None = None
     reason: str | None = None
     first_token: float | None = None
-
-
-class PenaltySampler(Sampler):
-    """llama.cpp's penalties sampler: over the last `repeat_last_n` tokens (all with 0), each token seen `count`
-    times has its logit divided (if positive, else multiplied) by the repeat penalty, then lowered by
-    count * frequency_penalty + presence_penalty; then the usual chain (runtime/sampling.py) without its own
-    repeat penalty."""
-
-    def __init__(self, gen: Generation) -> None:
-        super().__init__(replace(gen.sampling, repeat_penalty=1.0))
-        self.repeat = gen.sampling.repeat_penalty
-        self.presence, self.frequency = gen.presence_penalty, gen.frequency_penalty
-
-    def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        last_n = self.params.repeat_last_n
-        recent = history[-last_n:] if last_n > 0 else history
-        if recent:
-            counts = Counter(recent)
-            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
-            n = torch.tensor(list(counts.values()), dtype=torch.float32, device=logits.device)
-            logits = logits.float().clone()
-            seen = logits[ids]
-            seen = torch.where(seen > 0, seen / self.repeat, seen * self.repeat)
-            logits[ids] = seen - n * self.frequency - self.presence
-        return super().__call__(logits, history)
-
-
-def make_sampler(gen: Generation) -> Sampler:
-    if gen.presence_penalty or gen.frequency_penalty:
-        return PenaltySampler(gen)
-    return Sampler(gen.sampling)
 
 
 @dataclass
@@ -233,7 +199,7 @@ class EngineWorker:
         try:
             ids = self._prompt_ids(job.gen)
             job.seq = self.llm.engine.add_request(
-                ids, make_sampler(job.gen), job.gen.max_tokens, self.llm.tokenizer.stop_ids
+                ids, Sampler(job.gen.sampling), job.gen.max_tokens, self.llm.tokenizer.stop_ids
             )
         except TandemError as e:  # a prompt too long for the context, a template that fails, a bad token id
             code = "context_length_exceeded" if isinstance(e, ContextFullError) else None
