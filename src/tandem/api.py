@@ -227,7 +227,9 @@ class LLM:
                 f"(raise -c/--ctx-size)"
             )
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt tokens of `generate`: text tokenized with BOS, or token ids checked against the vocabulary;
+        a text that cannot fit the context is refused before it is tokenized."""
         if isinstance(prompt, str):
             self._check_fits(prompt)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
@@ -239,7 +241,7 @@ class LLM:
         """The generated token ids (end-of-generation token excluded)."""
         sampler = Sampler(SamplingParams(**sampling))
         return list(
-            generate_tokens(self.engine, self._prompt_ids(prompt), sampler, max_tokens, self.tokenizer.stop_ids)
+            generate_tokens(self.engine, self.prompt_ids(prompt), sampler, max_tokens, self.tokenizer.stop_ids)
         )
 
     def generate(
@@ -273,7 +275,7 @@ class LLM:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise TandemError(f"stop must be a string or a list of strings, got {stop!r}")
-        pieces = self._stream(self._prompt_ids(prompt), max_tokens, Sampler(params), stops)
+        pieces = self._stream(self.prompt_ids(prompt), max_tokens, Sampler(params), stops)
         return pieces if stream else "".join(pieces)
 
     def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]) -> Iterator[str]:
@@ -299,6 +301,21 @@ class LLM:
         """Render `messages` with the model's chat template, or `chat_template` (Jinja text) or the built-in
         `chat_template_name` instead (`chat_template_kwargs`: extra template variables, e.g.
         {"enable_thinking": False}), and generate the assistant's reply."""
+        ids = self.chat_ids(
+            messages, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
+            chat_template_name=chat_template_name,
+        )  # fmt: skip
+        return self.generate(ids, **sampling)
+
+    def chat_ids(
+        self,
+        messages: list[dict[str, str]],
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        chat_template_name: str | None = None,
+    ) -> list[int]:
+        """The prompt tokens of `chat`: `messages` in the chat template (see `apply_chat_template`), tokenized
+        with its special tokens, BOS added once."""
         prompt = self.apply_chat_template(
             messages, chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
             chat_template_name=chat_template_name,
@@ -307,7 +324,7 @@ class LLM:
         ids = self.tokenizer.encode(prompt, add_special=False)
         if self.tokenizer.add_bos and (not ids or ids[0] != self.tokenizer.bos_id):
             ids = [self.tokenizer.bos_id, *ids]
-        return self.generate(ids, **sampling)
+        return ids
 
     def apply_chat_template(
         self,

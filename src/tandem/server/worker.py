@@ -217,24 +217,16 @@ class EngineWorker:
             self._finish(job)
 
     def _prompt_ids(self, gen: Generation) -> list[int]:
-        """The prompt's tokens as `LLM.chat` (the template, BOS not twice) or `LLM.generate` make them, a text that
-        cannot fit the context refused before it is tokenized (`LLM._check_fits`)."""
+        """The prompt's tokens as `LLM.chat` or `LLM.generate` make them."""
         llm = self.llm
         assert llm is not None
         if gen.messages is None:
             assert gen.prompt is not None
-            return llm._prompt_ids(gen.prompt)
+            return llm.prompt_ids(gen.prompt)
         template = self.template
         kwargs = {**(template.chat_template_kwargs or {}), **(gen.template_kwargs or {})}
-        text = llm.apply_chat_template(gen.messages, chat_template=template.chat_template,
-                                       chat_template_name=template.chat_template_name,
-                                       chat_template_kwargs=kwargs)  # fmt: skip
-        llm._check_fits(text)
-        tok = llm.tokenizer
-        ids = tok.encode(text, add_special=False)
-        if tok.add_bos and (not ids or ids[0] != tok.bos_id):
-            ids = [tok.bos_id, *ids]
-        return ids
+        return llm.chat_ids(gen.messages, chat_template=template.chat_template,
+                            chat_template_name=template.chat_template_name, chat_template_kwargs=kwargs)  # fmt: skip
 
     def _drop_cancelled(self) -> None:
         assert self.llm is not None
