@@ -325,8 +325,8 @@ def test_serve_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_load_with_random_aborts_leaks_nothing(server: Running) -> None:
     """32 clients for 20 s after a 10 s warm-up (the issue's bounded load test, shortened for CI), each sending
     streamed and plain requests and dropping a third of its streams mid-way: every request is answered (200) or
-    refused cleanly (429 with Retry-After), no other status; afterwards every slot is free and the process's
-    no sequence, job or tensor is left alive by them."""
+    refused cleanly (429 with Retry-After), no other status; afterwards every slot is free and no sequence, job
+    or tensor is left alive by them."""
     import random
 
     import psutil
