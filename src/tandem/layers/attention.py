@@ -126,14 +126,13 @@ def attend_step(
     sequence's rows attend over its own slot, one sequence after the other."""
     if batch.pooled:
         return _pooled_decode(layer, q, k, v, batch, pool, sinks)
+    q = layer.rope.apply(q, batch.positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel on CUDA
+    k = layer.rope.apply(k, batch.positions, layer.k_norm, layer.norm_eps)  # (row by row: all rows at once)
     outs = []
     for span in batch.spans:
         rows, cache = span.rows, pool.slot(span.slot)
-        positions = batch.positions[rows]
-        qs = layer.rope.apply(q[rows], positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel on CUDA
-        ks = layer.rope.apply(k[rows], positions, layer.k_norm, layer.norm_eps)
-        keys, values, first = cache.store(span.start, ks, v[rows])  # [S, G, D] from position `first`
-        outs.append(attend(qs, keys, values, positions, layer.shape, sinks, first, cache))
+        keys, values, first = cache.store(span.start, k[rows], v[rows])  # [S, G, D] from position `first`
+        outs.append(attend(q[rows], keys, values, batch.positions[rows], layer.shape, sinks, first, cache))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
