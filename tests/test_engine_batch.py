@@ -183,3 +183,19 @@ def test_requests_past_the_context_are_refused(tiny_qwen3moe_gguf: tuple[Path, P
         seq = llm.engine.add_request(list(range(3, 13)), _greedy(), -1, frozenset())
         tokens = list(llm.engine.generate(seq))
         assert seq.finish_reason == "length" and len(tokens) == 16 - 10 + 1
+
+
+def test_recurrent_checkpoint_before_the_last_prompt_token(tiny_qwen35moe_gguf: tuple[Path, Path]) -> None:
+    """Through the scheduler, a recurrent model's prompt ends in a checkpoint before its last token, so that the
+    next turn resumes there instead of recomputing the prompt."""
+    with tandem.LLM(tiny_qwen35moe_gguf[1], device="cpu", threads=2, n_ctx=256, n_batch=32) as llm:
+        engine, n_vocab = llm.engine, llm.tokenizer.n_vocab
+        prompt = _prompt(70, 6, n_vocab)
+        seq = engine.add_request(prompt, _greedy(), 3, frozenset())
+        list(engine.generate(seq))
+        cache = engine.pool.caches[seq.slot]
+        assert [at for at, _ in cache.checkpoints] == [69]
+        turn2 = prompt + _prompt(5, 7, n_vocab)
+        engine.add_request(turn2, _greedy(), 1, frozenset())
+        (piece,) = engine.scheduler.schedule()
+        assert piece.seq.slot == seq.slot and cache.length == 69  # back to the checkpoint, not to 0

@@ -81,21 +81,21 @@ class Scheduler:
         return self.pool.caches[seq.slot]
 
     def _work(self, seq: Sequence, n: int) -> Work:
-        start, tokens = self._cache(seq).length, seq.tokens
+        """The sequence's next `n` tokens. Before its last prompt token the recurrent state (if any) is
+        checkpointed: the next turn of a chat starts with this prompt and can resume there (a recurrent state
+        cannot be cut back to any position)."""
+        cache, tokens = self._cache(seq), seq.tokens
+        start = cache.length
+        if start == len(seq.prompt) - 1:
+            cache.checkpoint()
         return Work(seq, tokens[start : start + n], samples=start + n == len(tokens))
 
     def _chunk(self, seq: Sequence, budget: int) -> Work:
-        """Up to `budget` of the sequence's prompt tokens not yet computed. With recurrent layers the chunk stops
-        short of the last prompt token, and the state is checkpointed there: the next turn of a chat starts with
-        this prompt and can resume at that point (a recurrent state cannot be cut back to any position)."""
+        """Up to `budget` of the sequence's prompt tokens not yet computed; with recurrent layers short of the last
+        one, which then runs alone after the checkpoint (`_work`)."""
         cache = self._cache(seq)
-        end = len(seq.tokens)
-        if cache.has_recurrent:
-            if cache.length == end - 1:
-                cache.checkpoint()
-            else:
-                end -= 1
-        return self._work(seq, min(budget, end - cache.length))
+        end = len(seq.tokens) - (1 if cache.has_recurrent else 0)
+        return self._work(seq, min(budget, max(1, end - cache.length)))
 
     def _admit(self, seq: Sequence) -> None:
         """A free slot for `seq`: the one whose tokens share the longest prefix with its prompt, cut to it."""
