@@ -1,11 +1,13 @@
-"""Decode attention on the GPU (run on the device: `pytest -m gpu`): the Triton kernels behind `attend` for
-one query token, against the float path of `attend` on the CPU, eagerly and replayed in a CUDA graph."""
+"""Decode attention on the GPU (run on the device: `pytest -m gpu`): the Triton kernels of a decode step's
+attention (`decode_attention`, which `attend_step` calls) for one query token, against the float path of
+`attend` on the CPU, eagerly and replayed in a CUDA graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tandem.cuda.decode_attention import decode_attention
 from tandem.layers.attention import AttentionShape, attend
 
 pytestmark = [
@@ -38,6 +40,10 @@ def _inputs(s: AttentionShape, with_sinks: bool, q_dtype: torch.dtype, cache_dty
     return q, keys, values, sinks
 
 
+def _decode(q, keys, values, positions: torch.Tensor, s: AttentionShape, sinks: torch.Tensor | None):
+    return decode_attention(q, keys, values, positions, s.scale, s.sliding_window, s.softcap, sinks)
+
+
 def _check(y: torch.Tensor, q, keys, values, p: int, s: AttentionShape, sinks: torch.Tensor | None) -> None:
     """Against `attend`'s float path (f32 on the CPU, on exact float64 copies of the inputs): f32 output to
     1e-5, 16-bit output within one unit in the last place in norm (see test_decode_attention_interpret)."""
@@ -55,7 +61,7 @@ def test_decode_matches_reference(name: str, dtypes: tuple[torch.dtype, torch.dt
     s, with_sinks = SHAPES[name]
     q, keys, values, sinks = _inputs(s, with_sinks, *dtypes)
     for p in POSITIONS:
-        y = attend(q, keys, values, torch.tensor([p], device="cuda"), s, sinks)
+        y = _decode(q, keys, values, torch.tensor([p], device="cuda"), s, sinks)
         assert y.shape == (1, s.n_heads, s.value_dim) and y.dtype == q.dtype
         _check(y, q, keys, values, p, s, sinks)
 
@@ -66,10 +72,10 @@ def test_captured_decode_follows_positions(name: str) -> None:
     s, with_sinks = SHAPES[name]
     q, keys, values, sinks = _inputs(s, with_sinks, torch.bfloat16, torch.bfloat16)
     positions = torch.zeros(1, dtype=torch.long, device="cuda")
-    attend(q, keys, values, positions, s, sinks)  # compiles the kernels before the capture
+    _decode(q, keys, values, positions, s, sinks)  # compiles the kernels before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = attend(q, keys, values, positions, s, sinks)
+        y = _decode(q, keys, values, positions, s, sinks)
     for p in reversed(POSITIONS):
         positions.fill_(p)
         graph.replay()
