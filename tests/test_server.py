@@ -155,6 +155,16 @@ def test_ollama_endpoints(server: Running, reference: tandem.LLM) -> None:
         assert r.status_code == 400 and "options.temperature" in r.json()["error"]
         tags = http.get("/api/tags").json()["models"]
         assert tags[0]["details"]["family"] == "gemma3" and tags[0]["size"] > 0
+        assert tags[0]["details"]["quantization_level"] == "Q4_K_M"
+        show = http.post("/api/show", json={"model": f"{tags[0]['name']}:latest"}).json()
+        assert show["model_info"]["gemma3.context_length"] == reference.config.context_length
+        assert show["model_info"]["general.parameter_count"] > 0 and show["details"] == tags[0]["details"]
+        r = http.post("/api/show", json={"model": "other"})
+        assert r.status_code == 404 and "other" in r.json()["error"]
+        assert http.post("/api/show", json={}).status_code == 400
+        (loaded,) = http.get("/api/ps").json()["models"]
+        assert loaded["name"] == tags[0]["name"] and loaded["size_vram"] == 0  # the CPU machine of CI
+        assert http.get("/api/version").json()["version"] == tandem.__version__
 
 
 def test_models_health_metrics(server: Running) -> None:

@@ -1,8 +1,8 @@
 """The HTTP side: OpenAI's `/v1/chat/completions`, `/v1/completions`, `/v1/models`, Ollama's `/api/chat`,
-`/api/generate`, `/api/tags`, and `/health`, `/metrics`, on FastAPI. Every handler reads its request
-(protocol.py), submits a `Job` to the engine's thread (worker.py) and turns the job's events into one JSON
-answer, server-sent events (OpenAI) or NDJSON lines (Ollama). Errors are JSON bodies with a 4xx (bad input, a
-missing key, a full queue) or 5xx status (the model failed), never a traceback."""
+`/api/generate`, `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, and `/health`, `/metrics`, on FastAPI. Every
+handler reads its request (protocol.py), submits a `Job` to the engine's thread (worker.py) and turns the job's events
+into one JSON answer, server-sent events (OpenAI) or NDJSON lines (Ollama). Errors are JSON bodies with a 4xx (bad
+input, a missing key, a full queue) or 5xx status (the model failed), never a traceback."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from gguf import LlamaFileType
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+import tandem
 from tandem.api import LLM
 from tandem.server import protocol
 from tandem.server.protocol import MAX_BODY_BYTES, APIError, Generation
@@ -40,9 +42,7 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of the requests admitted", registry=r)
         self.generated_tokens = Counter("tandem_generated_tokens", "Tokens generated", registry=r)
-        Gauge("tandem_requests_waiting", "Requests waiting for a slot", registry=r).set_function(
-            lambda: worker.waiting
-        )
+        Gauge("tandem_requests_waiting", "Requests waiting for a slot", registry=r).set_function(lambda: worker.waiting)
         Gauge("tandem_slots_busy", "Slots running a sequence", registry=r).set_function(lambda: worker.busy_slots)
         Gauge("tandem_slots", "Slots of the engine (-np)", registry=r).set(n_slots)
         Gauge("tandem_kv_cache_tokens", "Positions held in the slots' KV caches (running and kept for prefix reuse)",
@@ -113,6 +113,21 @@ class Server:
             "family": llm.config.arch,
             "parameters": sum(t.n_elements for t in llm.file.tensors.values()),
         }
+        cfg = llm.config
+        self.model_info["details"] = {
+            "format": "gguf", "family": cfg.arch, "families": [cfg.arch],
+            "parameter_size": _parameter_size(self.model_info["parameters"]),
+            "quantization_level": _quantization(llm.file.metadata.get("general.file_type")),
+        }  # fmt: skip
+        self.arch_info = {  # Ollama's `model_info`: clients read the context length from it
+            "general.architecture": cfg.arch,
+            "general.parameter_count": self.model_info["parameters"],
+            f"{cfg.arch}.context_length": cfg.context_length,
+            f"{cfg.arch}.embedding_length": cfg.hidden,
+            f"{cfg.arch}.block_count": cfg.n_layers,
+        }
+        self.template_source = llm.file.metadata.get("tokenizer.chat_template") or ""
+        self.vram_bytes = llm.plan.gpu_bytes() if llm.plan.compute_device != "cpu" else 0
         self.n_slots = llm.engine.pool.n_slots
         self.n_ctx = llm.n_ctx
         self.metrics = Metrics(worker, self.n_slots, self.n_ctx)
@@ -124,6 +139,9 @@ class Server:
             ("POST", "/api/chat", self.ollama_chat, True),
             ("POST", "/api/generate", self.ollama_generate, True),
             ("GET", "/api/tags", self.ollama_tags, True),
+            ("POST", "/api/show", self.ollama_show, True),
+            ("GET", "/api/ps", self.ollama_ps, True),
+            ("GET", "/api/version", self.ollama_version, True),
             ("GET", "/health", self.health, False),
             ("GET", "/metrics", self.prometheus, False),
         ]
@@ -271,6 +289,7 @@ class Server:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": end.reason}  # fmt: skip
             return JSONResponse({**head, "choices": [choice], "usage": _usage(end)})
+
         def choice(delta: dict[str, str], reason: str | None) -> dict[str, Any]:
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
 
@@ -290,6 +309,7 @@ class Server:
             head = self._openai_head("cmpl", "text_completion")
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.reason}
             return JSONResponse({**head, "choices": [choice], "usage": _usage(end)})
+
         def choice(text: str, reason: str | None) -> dict[str, Any]:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
@@ -337,8 +357,13 @@ class Server:
         return f.boolean("stream", False), protocol.Fields(options, "stream_options.").boolean("include_usage", False)
 
     async def models(self, request: Request) -> Response:
-        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "tandem",
-                 "meta": {"n_ctx": self.n_ctx, "n_parallel": self.n_slots, "size": self.model_info["size"]}}
+        model = {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "meta": {"n_ctx": self.n_ctx, "n_parallel": self.n_slots, "size": self.model_info["size"]},
+        }
         return JSONResponse({"object": "list", "data": [model]})
 
     # -- Ollama ----------------------------------------------------------------------------------------------
@@ -375,15 +400,35 @@ class Server:
 
         return self._stream(job, lines(), "application/x-ndjson")
 
-    async def ollama_tags(self, request: Request) -> Response:
+    def _ollama_model(self) -> dict[str, Any]:
         info = self.model_info
-        n = info["parameters"]
-        size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-        model = {"name": self.model_id, "model": self.model_id, "modified_at": info["modified_at"],
-                 "size": info["size"], "digest": "",
-                 "details": {"format": "gguf", "family": info["family"], "families": [info["family"]],
-                             "parameter_size": size}}  # fmt: skip
+        return {"name": self.model_id, "model": self.model_id, "modified_at": info["modified_at"],
+                "size": info["size"], "digest": "", "details": info["details"]}  # fmt: skip
+
+    async def ollama_tags(self, request: Request) -> Response:
+        return JSONResponse({"models": [self._ollama_model()]})
+
+    async def ollama_show(self, request: Request) -> Response:
+        f = protocol.Fields(await self._json(request))
+        name = f.get("model", str, "a string") or f.get("name", str, "a string")
+        if not name:
+            raise APIError(400, "model is required", param="model")
+        if name.removesuffix(":latest") != self.model_id:
+            raise APIError(404, f"model '{name[:200]}' not found", code="model_not_found")
+        return JSONResponse({
+            "modelfile": "", "parameters": "", "template": self.template_source,
+            "details": self.model_info["details"], "model_info": self.arch_info,
+            "capabilities": ["completion"], "modified_at": self.model_info["modified_at"],
+        })  # fmt: skip
+
+    async def ollama_ps(self, request: Request) -> Response:
+        # Loaded for as long as the server runs: Ollama's "expires_at" of a model kept forever.
+        model = {**self._ollama_model(), "expires_at": "2318-01-01T00:00:00Z", "size_vram": self.vram_bytes,
+                 "context_length": self.n_ctx}  # fmt: skip
         return JSONResponse({"models": [model]})
+
+    async def ollama_version(self, request: Request) -> Response:
+        return JSONResponse({"version": tandem.__version__})
 
     # -- operations ------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -395,6 +440,18 @@ class Server:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _quantization(file_type: Any) -> str:
+    """llama.cpp's file type (general.file_type) by name, as Ollama shows it ("Q4_K_M"); "" if unknown."""
+    try:
+        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return ""
+
+
+def _parameter_size(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
 def create_app(worker: EngineWorker, llm: LLM, api_key: str | None = None) -> FastAPI:
