@@ -110,6 +110,25 @@ def test_gpu_batched_greedy_equals_alone(fixture: str, run: str, request: pytest
     _check_batch_equals_alone(request.getfixturevalue(fixture)[1], GPU_RUNS[run])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m gpu on the device)")
+@pytest.mark.parametrize("fixture", ["tiny_qwen3moe_gguf", "tiny_gemma4_gguf"])
+def test_gpu_largest_decode_graph_with_cpu_experts(fixture: str, request: pytest.FixtureRequest) -> None:
+    """20 sequences decoding at once with --cpu-moe: the step is padded to the 32-row graph, whose CPU experts are
+    one host op of 32 rows (a decode step never streams the experts: that reads the routing on the host, which a
+    captured step cannot); each sequence's tokens are those it gets alone."""
+    path = request.getfixturevalue(fixture)[1]
+    flags = dict(device="cuda", dtype="f32", cpu_moe=True, cache_type="f32", threads=2, n_ctx=64, n_batch=64)
+    with tandem.LLM(path, n_parallel=20, **flags) as llm:
+        n_vocab = llm.tokenizer.n_vocab
+        requests = [(_prompt(3 + i % 5, 300 + i, n_vocab), 6, 0) for i in range(20)]
+        batched = _run_batched(llm, requests)
+        assert llm.engine.runner.captured(32) is not None, "the 32-row decode graph never ran"
+    with tandem.LLM(path, **flags) as llm:
+        alone = _run_alone(llm, requests)
+    assert batched == alone
+
+
 def test_seeded_sampling_is_reproducible_per_request(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     """A request's seed gives it the same tokens in a batch as alone, whatever the others draw."""
     path = tiny_qwen3moe_gguf[1]

@@ -27,11 +27,22 @@ from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
-from tandem.weights.offload import ExpertSource, ExpertStream, HostCall, HostExperts, HostLinear, OffloadedExperts
+from tandem.weights.offload import (
+    HOST_CALL_ROWS,
+    ExpertSource,
+    ExpertStream,
+    HostCall,
+    HostExperts,
+    HostLinear,
+    OffloadedExperts,
+)
 from tandem.weights.repack import ExpertRepacks
 
 PAGE_PROBE = 4096  # bytes copied once to check that page-locked file memory can be copied from
-OFFLOAD_MIN_BATCH = 32  # as llama.cpp: from this many tokens, CPU experts are streamed to the GPU
+# Batches of more tokens than a host op holds stream CPU experts to the GPU (llama.cpp: from 32). A decode step
+# has at most HOST_CALL_ROWS rows (runtime/runner.py DECODE_BUCKETS), so it never streams: streaming reads the
+# routed ids on the host, which a captured step cannot.
+OFFLOAD_MIN_BATCH = HOST_CALL_ROWS + 1
 
 
 def _as_torch_bytes(data: np.ndarray) -> torch.Tensor:
