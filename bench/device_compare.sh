@@ -74,8 +74,16 @@
 #     costs, with flags and in order)
 #   BATCHED="1,4,16" (after each model's matrix: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
-#     BATCHED_TG=64; llama-batched-bench built with CUDA beside the rest, flash-attention kernels included, as its
-#     CLI defaults use them: scripts/build_llamacpp_tools.sh; the tables in the log). MATRIX=none skips the matrix.
+#     BATCHED_TG=64; the tables in the log). MATRIX=none skips the matrix.
+#   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
+#     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all", prompt HTTP_PP=128 tokens, HTTP_TG=64
+#     tokens each, HTTP_REPS=2 rounds per N and server; the table in the log. tandem serve needs fastapi, starlette,
+#     uvicorn and pydantic, which the device image lacks: carry their wheels in .whl/, else llama-server runs alone)
+#   The llama.cpp tools of BATCHED and HTTP (llama-batched-bench, llama-server) are built thin, in the background
+#     once get_llama's libraries are there: scripts/build_llamacpp_tools.sh --shared-libs $PEER_LIB compiles only
+#     the tools (~125 files, no CUDA) and links them to that CUDA build, so they run with its kernels (the carried
+#     bundle has no flash-attention kernels: the tools' `-fa auto` then turns it off). LLAMA_TOOLS=DIR (default
+#     /tmp/llama_tools): where they go, or, built already (e.g. SKIP_SETUP=1 dry runs), where DIR/bin has them.
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -104,6 +112,7 @@ SITE_GGML25=/tmp/site_ggml25  # AB=ggml25...: ggml-python around llama.cpp's ggm
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
 export LLAMA_CMAKE_EXTRA="${LLAMA_CMAKE_EXTRA--DGGML_CUDA_FA=OFF}"  # read by scripts/build_llamacpp.sh
 LLAMA_BUNDLE="${LLAMA_BUNDLE:-$repo/.peers/llama_cpp_cuda.tar.xz.part-}"  # parts NN of a carried build
+LLAMA_TOOLS="${LLAMA_TOOLS:-/tmp/llama_tools}"  # BATCHED, HTTP: bin/llama-batched-bench, bin/llama-server
 
 main() {  # the whole run; its output goes to the terminal and to $OUT/device_compare.log (see the end)
 elapsed() { echo $(( $(date +%s) - t0 )); }
@@ -136,9 +145,11 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
   get_llama >/tmp/llama_build.log 2>&1 &
   llama_pid=$!
   tools_pid=""
-  if [[ -n "${BATCHED:-}" && "$DEVICE" != cpu ]]; then
-    JOBS="${LLAMA_JOBS:-16}" LLAMA_CMAKE_EXTRA="" bash scripts/build_llamacpp_tools.sh /tmp/llama_tools --cuda \
-      >/tmp/llama_tools.log 2>&1 &
+  if [[ -n "${BATCHED:-}${HTTP:-}" && "$DEVICE" != cpu && ! -x "$LLAMA_TOOLS/bin/llama-server" ]]; then
+    (  # once get_llama has ended (exited: a zombie until waited for, or gone), against the libraries it left
+      while [[ -e /proc/$llama_pid && "$(awk '{print $3}' "/proc/$llama_pid/stat" 2>/dev/null)" != Z ]]; do sleep 1; done
+      JOBS="${LLAMA_JOBS:-16}" bash scripts/build_llamacpp_tools.sh "$LLAMA_TOOLS" --shared-libs "$PEER_LIB"
+    ) >/tmp/llama_tools.log 2>&1 &
     tools_pid=$!
   fi
   ab_pid=""
@@ -304,11 +315,15 @@ for k in "${!targets[@]}"; do
   ab_share=$(( n_ab > 0 ? share * n_ab / (n_rows + n_ab) / n_ab : 0 ))  # each AB variant: one row's part
   share=$(( share - n_ab * ab_share ))
   budget=$(( share - 15 ))  # 15 s for the orchestrator's start and the report; `timeout` below is the hard stop
-  if [[ -n "${BATCHED:-}" ]]; then  # the batched comparison takes half of what this model has
-    batched_share=$share
-    [[ "$matrix" != none ]] && batched_share=$(( share / 2 ))
-    share=$(( share - batched_share ))
+  batched_share=0 http_share=0
+  if [[ -n "${BATCHED:-}${HTTP:-}" ]]; then  # the batched and HTTP comparisons take half of what this model has
+    tools_share=$share
+    [[ "$matrix" != none ]] && tools_share=$(( share / 2 ))
+    share=$(( share - tools_share ))
     budget=$(( share - 15 ))
+    if [[ -n "${BATCHED:-}" && -n "${HTTP:-}" ]]; then batched_share=$(( tools_share / 2 ))
+    elif [[ -n "${BATCHED:-}" ]]; then batched_share=$tools_share; fi
+    [[ -n "${HTTP:-}" ]] && http_share=$(( tools_share - batched_share ))
   fi
   say "bench $name: $share s (budget $budget s)${AB:+; then $n_ab AB variants, $ab_share s each}"
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
@@ -322,11 +337,12 @@ for k in "${!targets[@]}"; do
     (( rc == 0 )) || status=1
     [[ -f "$OUT/$name/report.md" ]] && cat "$OUT/$name/report.md"
   fi
+  if [[ -n "${tools_pid:-}" ]]; then  # (none with SKIP_SETUP=1)
+    wait "$tools_pid" && say "llama.cpp tools ready: $(tail -1 /tmp/llama_tools.log)" ||
+      { say "llama.cpp tools (thin) build FAILED"; tail -20 /tmp/llama_tools.log; }
+    tools_pid=""
+  fi
   if [[ -n "${BATCHED:-}" ]]; then
-    if [[ -n "$tools_pid" ]]; then
-      wait "$tools_pid" && say "llama-batched-bench ready" || { say "llama-batched-bench build FAILED"; tail -20 /tmp/llama_tools.log; }
-      tools_pid=""
-    fi
     placements=(${BATCHED_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
       flags=()
@@ -336,10 +352,35 @@ for k in "${!targets[@]}"; do
       say "batched $name $placement: npl $BATCHED, $part s"
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
         --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
-        --llama-bin /tmp/llama_tools/bin/llama-batched-bench --timeout "$(( part / 2 ))" \
+        --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part / 2 ))" \
         --out "/tmp/batched_${name}_$placement" >"/tmp/batched_${name}_$placement.out" 2>&1
       say "batched $name $placement: exit $?"
       cat "/tmp/batched_${name}_$placement.out"
+    done
+  fi
+  if [[ -n "${HTTP:-}" ]]; then  # both servers at once, taking turns (bench/http_bench.py); its table in the log
+    servers=(--llama-server "$LLAMA_TOOLS/bin/llama-server")
+    if "$PY" -c "import fastapi, uvicorn" 2>/dev/null; then
+      servers+=(--tandem "$PY -m tandem.cli.main serve --device $DEVICE")
+    else
+      say "http: no fastapi/uvicorn here, so no tandem serve (carry their wheels in .whl/): llama-server alone"
+    fi
+    ngl=99
+    [[ "$DEVICE" == cpu ]] && ngl=0
+    placements=(${HTTP_PLACEMENTS:-cpu-moe all})
+    for placement in "${placements[@]}"; do
+      flags=(-t "$THREADS")
+      [[ $placement == cpu-moe ]] && flags+=(--cpu-moe)
+      [[ $placement =~ ^n-cpu-moe=([0-9]+)$ ]] && flags+=(--n-cpu-moe "${BASH_REMATCH[1]}")
+      part=$(( http_share / ${#placements[@]} ))
+      if (( part < 60 )); then say "http $name $placement: no time left ($part s)"; continue; fi
+      say "http $name $placement: concurrency $HTTP, $part s"
+      timeout -s TERM -k 20 "$part" "$PY" bench/http_bench.py -m "$model" --concurrency "$HTTP" "${servers[@]}" \
+        --prompt-tokens "${HTTP_PP:-128}" --max-tokens "${HTTP_TG:-64}" --reps "${HTTP_REPS:-2}" \
+        --flags "${flags[*]}" --llama-flags "-ngl $ngl" --budget "$(( part - 25 ))" --start-timeout "$(( part / 3 ))" \
+        --out "/tmp/http_${name}_$placement" >"/tmp/http_${name}_$placement.out" 2>&1
+      say "http $name $placement: exit $?"
+      cat "/tmp/http_${name}_$placement.out"
     done
   fi
   for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log
