@@ -333,7 +333,7 @@ def _softmax_ggml(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     return e * (1.0 / total).astype(np.float32)
 
 
-def _query_scaling(scale: float) -> tuple[bool, np.float32]:
+def query_scaling(scale: float) -> tuple[bool, np.float32]:
     """(whether the queries are scaled, the factor left for the scores). A power-of-two scale multiplies the
     queries before their f16 conversion, as llama.cpp's Gemma graphs do (ggml_scale on Q); any other scale
     multiplies the scores in the softmax (`kq_scale`). For a power of two the two differ only where
@@ -370,7 +370,7 @@ def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: Att
     in chunks that bound the scores' memory."""
     t, n_keys = allowed.shape
     padded = -(-n_keys // _STEP) * _STEP
-    scale_queries, kq_scale = _query_scaling(s.scale)
+    scale_queries, kq_scale = query_scaling(s.scale)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)
@@ -407,7 +407,7 @@ def _attend_ggml(
     pv_lanes = _STEP if t == 1 or s.value_dim % 4 else _LANES
     kq_full = d - d % kq_lanes  # ggml_vec_dot_f16 adds the products past it one by one, in double
     padded = -(-n_keys // _STEP) * _STEP  # positions past the cache's are masked (probability 0)
-    scale_queries, score_scale = _query_scaling(s.scale)
+    scale_queries, score_scale = query_scaling(s.scale)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)

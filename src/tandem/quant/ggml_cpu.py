@@ -38,7 +38,7 @@ from tandem.quant.ggml_weights import (
     point_weight,
 )
 
-__all__ = ["CPUKernels", "ExpertFFN", "check_gate_up"]
+__all__ = ["CPUKernels", "ExpertFFN", "check_gate_up", "expert_ffn_nodes"]
 
 # Graphs kept per CPUKernels. A model has a handful of (type, N, K) combinations per layer kind, and
 # decode uses one token count; prefill adds one set per distinct chunk length. Each entry is ~3 KiB.
@@ -396,7 +396,6 @@ class CPUKernels:
         llama.cpp's `build_moe_ffn`); intermediates get memory from a graph allocator. Caller holds the lock."""
         if self._backend is None:
             raise RuntimeError("CPUKernels is closed")
-        e, d, f = ffn.down.shape
         k = ffn.stacks[0].shape[-1]
         t, a = ids.shape
         n_nodes = 24 + 2 * a
@@ -422,32 +421,7 @@ class CPUKernels:
             x_t = leaf(ggml.GGML_TYPE_F32, (k, 1, t), x.data_ptr())
             ids_t = leaf(ggml.GGML_TYPE_I32, (a, t), ids.data_ptr())
             mix_t = leaf(ggml.GGML_TYPE_F32, (a, 1, t), weights.data_ptr())  # the mixing weights, a column per token
-            if "gate_up" in w:  # one product, then the gate and up halves of each row
-                gate_up = ggml.ggml_mul_mat_id(ctx, w["gate_up"], x_t, ids_t)  # [2F, A, T]
-                nb1, nb2 = gate_up.contents.nb[1], gate_up.contents.nb[2]
-                gate = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, 0)
-                up = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, f * gate_up.contents.nb[0])
-            else:
-                gate = ggml.ggml_mul_mat_id(ctx, w["gate"], x_t, ids_t)  # [F, A, T]
-                up = ggml.ggml_mul_mat_id(ctx, w["up"], x_t, ids_t)
-            if "gate_bias" in w:  # row ids[a, t] of the bias added to slot (a, t)
-                gate = ggml.ggml_add_id(ctx, gate, w["gate_bias"], ids_t)
-            if "up_bias" in w:
-                up = ggml.ggml_add_id(ctx, up, w["up_bias"], ids_t)
-            op, _ = _GLU_OPS[ffn.glu]
-            hidden = op(ctx, gate, up, *ffn.glu_params)  # [F, A, T]
-            experts = ggml.ggml_mul_mat_id(ctx, w["down"], hidden, ids_t)  # [D, A, T]
-            if "down_scale" in w:  # the selected experts' scales [1, A, T], as llama.cpp gathers them
-                scales = ggml.ggml_repeat_4d(ctx, w["down_scale"], 1, e, t, 1)  # [1, E, T]
-                experts = ggml.ggml_mul(ctx, experts, ggml.ggml_get_rows(ctx, scales, ids_t))
-            if "down_bias" in w:
-                experts = ggml.ggml_add_id(ctx, experts, w["down_bias"], ids_t)
-            # The mix sum_a w[a, t] * experts[:, a, t] as one product over the A slots: two nodes where llama.cpp
-            # has a multiply and A - 1 adds (each node ends in a barrier of all threads, ~1-2 µs at decode).
-            slots_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, experts, 1, 0, 2, 3))  # [A, D, T]
-            # [D, 1, T], laid out as out [T, D]: no reshape, since the node pointed at the caller's buffer must
-            # be the one that computes
-            out = ggml.ggml_mul_mat(ctx, slots_first, mix_t)
+            out = expert_ffn_nodes(ctx, ffn, w, x_t, ids_t, mix_t)
             ggml.ggml_set_output(out)
             graph, allocator = self._allocated_graph(ctx, out, n_nodes)
         except BaseException:
@@ -461,6 +435,23 @@ class CPUKernels:
         )
         self._ffn_graphs[key] = g
         return g
+
+    def compute_graph(self, graph: int) -> None:
+        """Run a graph built elsewhere (tandem.models.cpu_graph), its tensors pointed at memory or placed by an
+        allocator from `new_graph_allocator`, on this backend's threads."""
+        with self._lock:
+            if self._backend is None:
+                raise RuntimeError("CPUKernels is closed")
+            self._compute(graph)
+
+    def new_graph_allocator(self) -> int:
+        """A graph allocator (ggml_gallocr) on this backend's buffer type; the caller frees it."""
+        if self._backend is None:
+            raise RuntimeError("CPUKernels is closed")
+        allocator = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self._backend))
+        if not allocator:
+            raise MemoryError("ggml_gallocr_new failed")
+        return allocator
 
     def close(self) -> None:
         """Free the graphs, the backend and the threadpool. Idempotent."""
@@ -600,6 +591,48 @@ def check_gate_up(owner: str, gate: object | None, up: object | None, gate_up: o
     split_ok = gate_up is None and gate is not None and up is not None
     if not (fused_ok or split_ok):
         raise ValueError(f"{owner} needs gate and up, or gate_up alone")
+
+
+def expert_ffn_nodes(
+    ctx: int,
+    ffn: ExpertFFN,
+    w: dict[str, ggml.ggml_tensor_p],
+    x_t: ggml.ggml_tensor_p,
+    ids_t: ggml.ggml_tensor_p,
+    mix_t: ggml.ggml_tensor_p,
+) -> ggml.ggml_tensor_p:
+    """The nodes of a routed-expert FFN (the order of operations is llama.cpp's `build_moe_ffn`): w holds a tensor per
+    entry of `ffn.inputs`, x_t is [K, 1, T], ids_t [A, T] (int32), mix_t [A, 1, T] (the routing weights). Returns the
+    mixed output [D, 1, T] (laid out as [T, D])."""
+    f = ffn.down.shape[2]
+    e = ffn.down.shape[0]
+    a, t = int(ids_t.contents.ne[0]), int(ids_t.contents.ne[1])
+    if "gate_up" in w:  # one product, then the gate and up halves of each row
+        gate_up = ggml.ggml_mul_mat_id(ctx, w["gate_up"], x_t, ids_t)  # [2F, A, T]
+        nb1, nb2 = gate_up.contents.nb[1], gate_up.contents.nb[2]
+        gate = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, 0)
+        up = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, f * gate_up.contents.nb[0])
+    else:
+        gate = ggml.ggml_mul_mat_id(ctx, w["gate"], x_t, ids_t)  # [F, A, T]
+        up = ggml.ggml_mul_mat_id(ctx, w["up"], x_t, ids_t)
+    if "gate_bias" in w:  # row ids[a, t] of the bias added to slot (a, t)
+        gate = ggml.ggml_add_id(ctx, gate, w["gate_bias"], ids_t)
+    if "up_bias" in w:
+        up = ggml.ggml_add_id(ctx, up, w["up_bias"], ids_t)
+    op, _ = _GLU_OPS[ffn.glu]
+    hidden = op(ctx, gate, up, *ffn.glu_params)  # [F, A, T]
+    experts = ggml.ggml_mul_mat_id(ctx, w["down"], hidden, ids_t)  # [D, A, T]
+    if "down_scale" in w:  # the selected experts' scales [1, A, T], as llama.cpp gathers them
+        scales = ggml.ggml_repeat_4d(ctx, w["down_scale"], 1, e, t, 1)  # [1, E, T]
+        experts = ggml.ggml_mul(ctx, experts, ggml.ggml_get_rows(ctx, scales, ids_t))
+    if "down_bias" in w:
+        experts = ggml.ggml_add_id(ctx, experts, w["down_bias"], ids_t)
+    # The mix sum_a w[a, t] * experts[:, a, t] as one product over the A slots: two nodes where llama.cpp has a
+    # multiply and A - 1 adds (each node ends in a barrier of all threads, ~1-2 us at decode).
+    slots_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, experts, 1, 0, 2, 3))  # [A, D, T]
+    # [D, 1, T], laid out as out [T, D]: no reshape, since a node pointed at the caller's buffer must be the one
+    # that computes
+    return ggml.ggml_mul_mat(ctx, slots_first, mix_t)
 
 
 def _as_f32(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from tandem.layers.attention import Attention
 from tandem.layers.delta_net import GatedDeltaNet
 from tandem.layers.gated_attention import GatedAttention
+from tandem.models.cpu_graph import StepGraph
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
 from tandem.state.pool import StatePool
@@ -77,6 +78,7 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, pool: StatePool, graphs: bool = True) -> None:
         self.model, self.pool = model, pool
         self.capturable = graphs and _capturable(model)
+        self.cpu_graph = StepGraph.create(model, pool)  # a CPU step as ggml graphs, where they cover the model
         self._graphs: dict[int, DecodeGraph] = {}
         self._warm: set[int] = set()  # buckets run once eagerly: that run compiles what the capture records
 
@@ -108,7 +110,8 @@ class ModelRunner:
                 self._warm.add(size)
             logits = logits[: len(pieces)]
         else:
-            logits = self.model.forward(StepBatch.build(at, device, all_logits=all_logits), self.pool)
+            batch = StepBatch.build(at, device, all_logits=all_logits)
+            logits = self.model.forward(batch, self.pool) if self.cpu_graph is None else self.cpu_graph(batch)
         for cache, (_, tokens) in zip(caches, pieces, strict=True):
             cache.advance(tokens)
         return logits

@@ -72,6 +72,14 @@ class LayerKV:
         held = torch.arange(first, end, device=device) % self.rows
         return self.k.index_select(0, held), self.v.index_select(0, held), first
 
+    def share_float32(self, k32: torch.Tensor, vt32: torch.Tensor) -> None:
+        """Keep the float32 copies in k32 [C, H_kv, D] and vt32 [H_kv, Dv, C] (views of a pool-wide pair that the CPU
+        step graph writes along with the f16 rows: tandem.models.cpu_graph), C at least the rows of any padded read.
+        They are refilled from the f16 rows on their first read here, so whoever wrote them last, they stay right."""
+        assert self.window is None and k32.shape[1:] == self.k.shape[1:] and vt32.shape[:2] == self.v.shape[1:]
+        self._f32 = (k32, vt32)
+        self._f32_valid = 0
+
     def float32_rows(self, end: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, padded) of a full buffer in float32, keys [padded, H_kv, D] and values transposed
         [H_kv, Dv, padded] (views), for ggml's attention on the CPU (layers/attention.py). Only the

@@ -1,0 +1,89 @@
+"""The CPU step as ggml graphs: a whole step of a decoder model (every sequence of the batch) computed by one ggml
+graph, or a few, instead of layer by layer through torch and small ggml calls (models/decoder.py).
+
+`StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
+the graphs do not cover the model (`decoder.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
+"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+
+from tandem.models.cpu_graph.decoder import (
+    CacheCopies,
+    StepKey,
+    StepProgram,
+    attention_kinds,
+    build_step,
+    step_key,
+    unsupported,
+)
+from tandem.models.cpu_graph.ggml_graph import GraphRunner
+from tandem.models.decoder import DecoderModel
+from tandem.state.batch import StepBatch
+from tandem.state.pool import StatePool
+
+__all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
+
+SWITCH_ENV = "TANDEM_CPU_GRAPH"
+# Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
+# a benchmark showed them faster (docs/PERFORMANCE.md).
+DEFAULT_FAMILIES: frozenset[str] = frozenset()
+_MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
+
+
+def enabled(arch: str) -> bool:
+    """Whether the switch asks for graphs for this family (they still need to cover the model)."""
+    value = os.environ.get(SWITCH_ENV)
+    if value is None:
+        return arch in DEFAULT_FAMILIES
+    return value.strip() not in ("", "0")
+
+
+class StepGraph:
+    """Runs steps of `model` over the slots of `pool` as ggml graphs, one program per step shape (kept, least
+    recently used out). Returns the logits [B, V] of the batch's logit rows (every row when it names none)."""
+
+    def __init__(self, model: DecoderModel, pool: StatePool) -> None:
+        kernels = model.embed.kernels
+        assert kernels is not None
+        self.model, self.pool = model, pool
+        self.kinds = attention_kinds(model)
+        self.caches = [CacheCopies.of(layer) for layer in pool.layers]
+        self.runner = GraphRunner(kernels)
+        self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
+
+    @classmethod
+    def create(cls, model: DecoderModel, pool: StatePool, force: bool | None = None) -> StepGraph | None:
+        """The graphs of this model's CPU steps, or None: not covered, or switched off (`force` overrides the
+        switch)."""
+        wanted = enabled(model.cfg.arch) if force is None else force
+        if not wanted or unsupported(model, pool) is not None:
+            return None
+        return cls(model, pool)
+
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        key = step_key(batch, self.kinds)
+        step = self._programs.get(key)
+        if step is None:
+            step = build_step(self.model, self.caches, key)
+            self._programs[key] = step
+            while len(self._programs) > _MAX_PROGRAMS:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+        c = self.caches[0]
+        step.inputs.fill(batch, key, self.kinds, c.rows, c.rows32)
+        n_logits = key.n_tokens if key.n_logits is None else key.n_logits
+        logits = torch.empty(n_logits, self.model.cfg.n_vocab, dtype=torch.float32)
+        step.logits.data = logits.data_ptr()
+        self.runner.run(step.program)
+        return logits
+
+    def close(self) -> None:
+        self._programs.clear()
+        self.runner.close()

@@ -1,0 +1,436 @@
+"""A decoder model's step on the CPU as ggml graphs, node for node as llama.cpp builds it (llama-graph.cpp, the
+models/<arch>.cpp files): the embedding lookup, norms, rope, the KV cache stores and the attention over the cache,
+the MLP or the routed experts, the output head. The weights are read where they lie (the file mapping, or the
+copies ggml repacks), the cache is the state pool's memory, and the program of each step shape is built once and
+kept (`StepGraph`).
+
+The values are those of the layer-by-layer path (models/decoder.py), which are llama.cpp's on the bundled Gemma 3:
+every op the layers emulate in numpy/torch to round as ggml does is ggml's own op here; the attention over an f16
+cache runs on float32 copies of the f16 values (layers/attention.py `ggml_attention` says why), which the graph
+writes beside the f16 rows; the one product ggml 0.15.3 lacks, llama.cpp's tiled Q6_K kernel for 8 rows or more
+(quant/ggml_tiled.py), runs on the host between two graphs. As in llama.cpp, the last layer computes only the rows
+whose logits the step returns once its attention is done.
+
+Shapes in comments are ggml's, ne0 first: D = hidden, T = the step's rows, Hd = head size, H / G = query / KV
+heads, N = a sequence's rows, S = the keys it reads, F = the MLP's width, V = vocabulary, B = logit rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ggml
+import numpy as np
+import torch
+
+from tandem.layers.activations import ACTIVATIONS, Gated
+from tandem.layers.attention import Attention, query_scaling
+from tandem.layers.linear import GGMLLinear
+from tandem.layers.mlp import GatedMLP
+from tandem.layers.moe import MoE, SoftmaxTopKRouter
+from tandem.models.blocks import Block
+from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
+from tandem.models.decoder import DecoderModel
+from tandem.quant.ggml_cpu import expert_ffn_nodes
+from tandem.quant.ggml_tiled import TILED_MIN_ROWS
+from tandem.quant.ggml_weights import GGMLWeight
+from tandem.state.batch import StepBatch
+from tandem.state.kv_cache import KVPool
+from tandem.state.pool import StatePool
+
+__all__ = ["KV_PAD", "CacheCopies", "StepKey", "StepProgram", "attention_kinds", "build_step", "step_key",
+           "unsupported"]
+
+KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV view (layers/attention.py)
+_ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
+# ggml's gated units for the MLP's activation (layers/activations.py: the values of the layer path's)
+_GLU = {ACTIVATIONS["gelu_tanh_ggml"]: ggml.ggml_geglu_split, ACTIVATIONS["silu"]: ggml.ggml_swiglu_split}
+
+
+def unsupported(model: DecoderModel, pool: StatePool) -> str | None:
+    """Why this model's CPU step cannot run as these graphs (None: it can)."""
+    if model.device.type != "cpu":
+        return "the model does not compute on the CPU"
+    if model.embed.kernels is None or not isinstance(model.output, GGMLLinear):
+        return "the embedding table or output head is not read by ggml"
+    for i, (block, layer_pool) in enumerate(zip(model.blocks, pool.layers, strict=True)):
+        reason = _block_unsupported(block, layer_pool)
+        if reason is not None:
+            return f"layer {i}: {reason}"
+    return None
+
+
+def _block_unsupported(block: object, pool: object) -> str | None:
+    if type(block) is not Block or block.out_scale is not None or block.ffn_norm is None:
+        return "not a standard pre-norm block"
+    m = block.mixer
+    if type(m) is not Attention or not isinstance(pool, KVPool):
+        return f"mixer {type(m).__name__}"
+    s = m.shape
+    if m.v is None or m.v_norm or m.sinks is not None or s.softcap is not None:
+        return "attention with shared K/V, value norms, sinks or softcap"
+    if not all(isinstance(p, GGMLLinear) for p in (m.q, m.k, m.v, m.o)):
+        return "attention projections not read by ggml"
+    if m.rope.spec.yarn is not None or m.rope.spec.freq_factors is not None:
+        return "YaRN or rope frequency factors"
+    if pool.k.dtype is not torch.float16 or pool.window is not None:
+        return f"a {pool.k.dtype} cache (the graphs round as llama.cpp's f16 cache)"
+    if s.head_dim % 16 or s.value_dim % 4:  # llama.cpp's several-row products leave tinyBLAS (attention.py)
+        return f"head size {s.head_dim}/{s.value_dim}"
+    ffn = block.ffn
+    if isinstance(ffn, GatedMLP):
+        if ffn.act not in _GLU or not all(isinstance(p, GGMLLinear) for p in (ffn.gate, ffn.up, ffn.down)):
+            return "an MLP ggml does not compute as the layer path does"
+        return None
+    if isinstance(ffn, MoE):
+        router, experts = ffn.router, ffn.experts
+        if type(router) is not SoftmaxTopKRouter or not isinstance(router.proj, GGMLLinear):
+            return f"router {type(router).__name__}"
+        if getattr(experts, "_graph", None) is None or not isinstance(getattr(experts, "glu", None), Gated):
+            return "routed experts not computed by one ggml graph"
+        return None
+    return f"feed-forward {type(ffn).__name__}"
+
+
+# -- the cache as the graph sees it -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class CacheCopies:
+    """One attention layer's cache for the graphs: the pool's f16 rows [N, R, G, Hd] (what the layer path reads)
+    and float32 copies of every slot, keys [N, C, G, Hd] and values transposed [N, G, Dv, C] (C: the context
+    rounded up to KV_PAD), which the graphs write beside the f16 rows and read. The copies are each slot's
+    `LayerKV.float32_rows` too, so the layer path and the graphs can take turns."""
+
+    pool: KVPool
+    k32: torch.Tensor
+    vt32: torch.Tensor
+
+    @classmethod
+    def of(cls, pool: KVPool) -> CacheCopies:
+        n, rows, g, d = pool.k.shape
+        dv = pool.v.shape[-1]
+        c = -(-rows // KV_PAD) * KV_PAD
+        # np.zeros: untouched pages stay unallocated (masked keys must be finite, and zero pages are)
+        k32 = torch.from_numpy(np.zeros((n, c, g, d), dtype=np.float32))
+        vt32 = torch.from_numpy(np.zeros((n, g, dv, c), dtype=np.float32))
+        for i, kv in enumerate(pool.slots):
+            kv.share_float32(k32[i], vt32[i])
+        return cls(pool, k32, vt32)
+
+    @property
+    def rows(self) -> int:  # f16 rows per slot
+        return int(self.pool.k.shape[1])
+
+    @property
+    def rows32(self) -> int:  # float32 rows per slot
+        return int(self.k32.shape[1])
+
+
+# -- the step's shape ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeqKey:
+    """A sequence's part of a step, as far as it shapes the graph: its slot, rows, first row, and per attention
+    kind the first key position and the key count read (multiples of KV_PAD)."""
+
+    slot: int
+    n: int
+    offset: int
+    views: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StepKey:
+    seqs: tuple[SeqKey, ...]
+    n_logits: int | None  # rows whose logits the step returns (None: every row)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n for s in self.seqs)
+
+
+def step_key(batch: StepBatch, windows: Sequence[int | None]) -> StepKey:
+    seqs = []
+    for span in batch.spans:
+        end = span.start + span.n
+        padded_end = -(-end // KV_PAD) * KV_PAD
+        views = []
+        for window in windows:
+            first = 0 if window is None else max(0, (span.start - window + 1) // KV_PAD * KV_PAD)
+            views.append((first, padded_end - first))
+        seqs.append(SeqKey(span.slot, span.n, span.offset, tuple(views)))
+    n_logits = None if batch.logit_rows is None else int(batch.logit_rows.shape[0])
+    return StepKey(tuple(seqs), n_logits)
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """The host buffers a step program's leaves read, filled per call (`fill`)."""
+
+    ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    rows16: np.ndarray  # [T] int64: each row's row in the f16 pool (slot * R + position)
+    rows32: np.ndarray  # [T] int64: in the float32 copies (slot * C + position)
+    vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
+    masks: list[list[np.ndarray]]  # per sequence, per kind: [N, S] float32, 0 or -inf
+    logit_rows: np.ndarray | None  # [B] int32
+
+    def fill(self, batch: StepBatch, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
+        self.ids[:] = batch.ids.numpy()
+        pos = batch.positions.numpy()
+        self.positions[:] = pos
+        slots = np.repeat(np.array([s.slot for s in key.seqs], dtype=np.int64), [s.n for s in key.seqs])
+        np.add(slots * rows, pos, out=self.rows16)
+        np.add(slots * rows32, pos, out=self.rows32)
+        for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
+            lanes = np.arange(g * dv, dtype=np.int64) * rows32  # (g * Dv + d) * C
+            base = slots * (g * dv * rows32) + pos
+            np.add(base[:, None], lanes[None, :], out=index.reshape(len(pos), g * dv))
+        for seq, span, masks in zip(key.seqs, batch.spans, self.masks, strict=True):
+            q_pos = np.arange(span.start, span.start + span.n, dtype=np.int64)[:, None]
+            for (first, n_keys), window, mask in zip(seq.views, windows, masks, strict=True):
+                distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
+                allowed = distance >= 0
+                if window is not None:
+                    allowed &= distance < window
+                mask.fill(-np.inf)
+                mask[allowed] = 0.0
+        if self.logit_rows is not None:
+            assert batch.logit_rows is not None
+            self.logit_rows[:] = batch.logit_rows.numpy()
+
+
+@dataclass(eq=False)
+class StepProgram:
+    program: GraphProgram
+    inputs: StepInputs
+    logits: ggml.ggml_tensor  # the node the logits [B, V] are computed into, pointed at each call's buffer
+
+
+# -- building -----------------------------------------------------------------------------------------------------
+
+
+def build_step(model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey) -> StepProgram:
+    """The program of one step shape (see the module docstring)."""
+    return _StepBuilder(model, caches, key).build()
+
+
+class _StepBuilder:
+    def __init__(self, model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey) -> None:
+        self.model, self.caches, self.key = model, caches, key
+        self.windows = layer_windows(model)
+        windows = attention_kinds(model)
+        n_layers, n_seqs = len(model.blocks), len(key.seqs)
+        n_cuts = n_layers if key.n_tokens >= TILED_MIN_ROWS else 0
+        self.b = GraphBuilder(n_tensors=512 + n_layers * (96 + 40 * n_seqs), n_segments=n_cuts + 1)
+        self.ctx = self.b.ctx
+        t = key.n_tokens
+        self.kinds = {w: i for i, w in enumerate(windows)}
+        geometries = {(blk.mixer.shape.n_kv_heads, blk.mixer.shape.value_dim) for blk in model.blocks}
+        self.inputs = StepInputs(
+            ids=np.zeros(t, dtype=np.int32),
+            positions=np.zeros(t, dtype=np.int32),
+            rows16=np.zeros(t, dtype=np.int64),
+            rows32=np.zeros(t, dtype=np.int64),
+            vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
+            masks=[[np.zeros((s.n, s.views[k][1]), dtype=np.float32) for k in range(len(windows))] for s in key.seqs],
+            logit_rows=None if key.n_logits is None else np.zeros(key.n_logits, dtype=np.int32),
+        )
+        b, i = self.b, self.inputs
+        self.ids, self.pos = b.array(i.ids), b.array(i.positions)
+        self.rows16, self.rows32 = b.array(i.rows16), b.array(i.rows32)
+        self.vt_index = {gd: b.array(a) for gd, a in i.vt_index.items()}
+        self.masks = [[b.array(m) for m in masks] for masks in i.masks]
+        self.logit_rows = None if i.logit_rows is None else b.array(i.logit_rows)
+        self.cache_leaves = [self._cache_leaves(c) for c in caches]
+
+    def build(self) -> StepProgram:
+        model, ctx, key = self.model, self.ctx, self.key
+        embed = model.embed
+        table = self.b.weight(GGMLWeight(embed.info.data, embed.info.qtype, embed.info.shape))
+        x = ggml.ggml_get_rows(ctx, table, self.ids)  # [D, T]
+        if model.cfg.embed_scale != 1.0:
+            x = ggml.ggml_scale(ctx, x, model.cfg.embed_scale)
+        last = len(model.blocks) - 1
+        for i, block in enumerate(model.blocks):
+            x = self._block(i, block, x, select=i == last and self.logit_rows is not None)
+        x = self._norm(x, model.output_norm, model.cfg.rms_eps)
+        logits = self._linear(model.output, x)  # [V, B]
+        cap = model.cfg.final_logit_softcap
+        if cap is not None:  # llama.cpp's order: scale, tanh, scale
+            logits = ggml.ggml_scale(ctx, ggml.ggml_tanh(ctx, ggml.ggml_scale(ctx, logits, 1.0 / cap)), cap)
+        n_logits = key.n_tokens if key.n_logits is None else key.n_logits
+        first = torch.empty(n_logits, model.cfg.n_vocab, dtype=torch.float32)
+        self.b.output(logits, first)
+        return StepProgram(self.b.finish(), self.inputs, logits.contents)
+
+    # -- a block ------------------------------------------------------------------------------------------
+    def _block(self, i: int, block: Block, x: Tensor, select: bool) -> Tensor:
+        ctx, eps = self.ctx, block.eps
+        h = self._attention(i, block.mixer, self._norm(x, block.mixer_norm, eps))
+        if select:  # the last layer goes on with the rows whose logits are wanted only, as llama.cpp's
+            h = ggml.ggml_get_rows(ctx, h, self.logit_rows)
+            x = ggml.ggml_get_rows(ctx, x, self.logit_rows)
+        if block.post_mixer_norm is not None:
+            h = self._norm(h, block.post_mixer_norm, eps)
+        x = ggml.ggml_add(ctx, h, x)
+        assert block.ffn_norm is not None
+        h = self._norm(x, block.ffn_norm, eps)
+        if isinstance(block.ffn, GatedMLP):
+            h, x = self._mlp(block.ffn, h, x)
+        else:
+            h = self._moe(block.ffn, h)
+        if block.post_ffn_norm is not None:
+            h = self._norm(h, block.post_ffn_norm, eps)
+        return ggml.ggml_add(ctx, h, x)
+
+    def _norm(self, x: Tensor, weight: torch.Tensor, eps: float) -> Tensor:
+        return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps), self.b.vector(weight))
+
+    def _linear(self, linear: object, x: Tensor) -> Tensor:
+        assert isinstance(linear, GGMLLinear)
+        return ggml.ggml_mul_mat(self.ctx, self.b.weight(linear.weight), x)
+
+    # -- attention ----------------------------------------------------------------------------------------
+    def _cache_leaves(self, c: CacheCopies) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Leaves on the pool's f16 K and V rows [G*Hd, N*R], its float32 keys [G*Hd, N*C] and transposed values
+        (one value per row, [1, N*G*Dv*C]): what the stores write and the attention's views read."""
+        b, f16, f32 = self.b, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32
+        n, r, g, d = c.pool.k.shape
+        dv = c.pool.v.shape[-1]
+        return (b.leaf(f16, (g * d, n * r), c.pool.k.data_ptr(), c.pool.k),
+                b.leaf(f16, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
+                b.leaf(f32, (g * d, n * c.rows32), c.k32.data_ptr(), c.k32),
+                b.leaf(f32, (1, c.vt32.numel()), c.vt32.data_ptr(), c.vt32))  # fmt: skip
+
+    def _attention(self, i: int, m: Attention, h: Tensor) -> Tensor:
+        ctx, s, t = self.ctx, m.shape, self.key.n_tokens
+        hd, dv, nh, g = s.head_dim, s.value_dim, s.n_heads, s.n_kv_heads
+        q = ggml.ggml_reshape_3d(ctx, self._linear(m.q, h), hd, nh, t)  # [Hd, H, T]
+        k = ggml.ggml_reshape_3d(ctx, self._linear(m.k, h), hd, g, t)  # [Hd, G, T]
+        v = self._linear(m.v, h)  # [G*Dv, T]
+        q, k = self._norm_rope(q, m.q_norm, m), self._norm_rope(k, m.k_norm, m)
+        self._store(i, k, v, g, dv)
+        scale_queries, kq_scale = query_scaling(s.scale)
+        kind = self.kinds[self.windows[i]]
+        outs = []
+        nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
+        for j, seq in enumerate(self.key.seqs):
+            qs = ggml.ggml_view_3d(ctx, q, hd, nh, seq.n, nb1, nb2, seq.offset * nb2)  # the sequence's rows
+            if scale_queries:
+                qs = ggml.ggml_scale(ctx, qs, s.scale)
+            # [Hd, N, H], rounded to f16 as llama.cpp's f16 product converts its queries
+            qs = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, ggml.ggml_permute(ctx, qs, 0, 2, 1, 3), ggml.GGML_TYPE_F16),
+                                ggml.GGML_TYPE_F32)  # fmt: skip
+            first, n_keys = seq.views[kind]
+            keys, values_t = self._cache_views(i, seq.slot, first, n_keys, g, hd, dv)
+            kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
+            kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[j][kind], float(kq_scale), 0.0)
+            kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), ggml.GGML_TYPE_F32)
+            out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
+            out = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # [Dv, H, N]
+            outs.append(ggml.ggml_reshape_2d(ctx, out, dv * nh, seq.n))
+        while len(outs) > 1:  # the sequences' rows one after the other: [H*Dv, T]
+            pairs = [ggml.ggml_concat(ctx, a, b, 1) for a, b in zip(outs[0::2], outs[1::2], strict=False)]
+            outs = pairs + ([outs[-1]] if len(outs) % 2 else [])
+        return self._linear(m.o, outs[0])  # [D, T]
+
+    def _norm_rope(self, x: Tensor, norm: torch.Tensor | None, m: Attention) -> Tensor:
+        ctx = self.ctx
+        if norm is not None:
+            x = self._norm(x, norm, m.norm_eps)
+        spec = m.rope.spec
+        return ggml.ggml_rope_ext(ctx, x, self.pos, None, spec.dim, _ROPE_NEOX, self.model.cfg.context_length,
+                                  spec.base, spec.scale, 0.0, 1.0, 32.0, 1.0)  # fmt: skip
+
+    def _store(self, i: int, k: Tensor, v: Tensor, g: int, dv: int) -> None:
+        """The step's keys and values into the f16 rows and the float32 copies of their slots, as part of the graph
+        now (the attention reads the cache, not these nodes)."""
+        ctx, b, t = self.ctx, self.b, self.key.n_tokens
+        k16, v16, k32, vt32 = self.cache_leaves[i]
+        f16, f32 = ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32
+        k = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, _flat(ctx, k, t), f16), f32)  # [G*Hd, T], f16 values
+        v = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, v, f16), f32)
+        b.expand(ggml.ggml_set_rows(ctx, k16, k, self.rows16))
+        b.expand(ggml.ggml_set_rows(ctx, k32, k, self.rows32))
+        b.expand(ggml.ggml_set_rows(ctx, v16, v, self.rows16))
+        b.expand(ggml.ggml_set_rows(ctx, vt32, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
+
+    def _cache_views(
+        self, i: int, slot: int, first: int, n_keys: int, g: int, hd: int, dv: int
+    ) -> tuple[Tensor, Tensor]:
+        """Keys [Hd, S, G] and transposed values [S, Dv, G] of positions first .. first + S - 1 of `slot`'s float32
+        copies (strided views, as `ggml_attention` reads the cache)."""
+        ctx, c = self.ctx, self.caches[i]
+        _, _, k32, vt32 = self.cache_leaves[i]
+        rows = c.rows32
+        keys = ggml.ggml_view_3d(ctx, k32, hd, n_keys, g, 4 * hd * g, 4 * hd, 4 * hd * g * (slot * rows + first))
+        values_t = ggml.ggml_view_3d(ctx, vt32, n_keys, dv, g, 4 * rows, 4 * rows * dv,
+                                     4 * (slot * g * dv * rows + first))  # fmt: skip
+        return keys, values_t
+
+    # -- feed-forward -------------------------------------------------------------------------------------
+    def _mlp(self, mlp: GatedMLP, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        """down(glu(gate(h), up(h))) -> (its output, the residual x): when llama.cpp multiplies `down` by its tiled
+        kernel, which ggml 0.15.3 lacks, the graph ends before that product, the host computes it
+        (quant/ggml_tiled.py) and the next graph starts from its result and x."""
+        ctx = self.ctx
+        hidden = _GLU[mlp.act](ctx, self._linear(mlp.gate, h), self._linear(mlp.up, h))  # [F, T]
+        down = mlp.down
+        assert isinstance(down, GGMLLinear)
+        rows = int(hidden.contents.ne[1])
+        tiled = down.weight.tiled
+        if tiled is None or rows < TILED_MIN_ROWS:
+            return self._linear(down, hidden), x
+        d, f = down.weight.shape
+        into = torch.empty(rows, f, dtype=torch.float32)
+        residual = torch.empty(rows, d, dtype=torch.float32)
+        out = torch.empty(rows, d, dtype=torch.float32)
+        self.b.output(hidden, into)
+        self.b.output(x, residual)
+        self.b.cut(lambda: tiled.matmul(into, out))
+        return self.b.torch_leaf(out), self.b.torch_leaf(residual)
+
+    def _moe(self, moe: MoE, h: Tensor) -> Tensor:
+        """Softmax top-k routing and the gated experts (`expert_ffn_nodes`, the nodes of the layer path's expert
+        graph), as llama.cpp's build_moe_ffn."""
+        ctx, t = self.ctx, int(h.contents.ne[1])
+        router = moe.router
+        assert isinstance(router, SoftmaxTopKRouter)
+        probs = ggml.ggml_soft_max(ctx, self._linear(router.proj, h))  # [E, T]
+        a = router.n_active
+        ids = ggml.ggml_argsort_top_k(ctx, probs, a)  # [A, T] int32
+        weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, int(probs.contents.ne[0]), t), ids)
+        if router.renormalize:  # [1, A, T] / the sum over A
+            flat = ggml.ggml_reshape_2d(ctx, weights, a, t)
+            weights = ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat))
+        mix = ggml.ggml_reshape_3d(ctx, weights, a, 1, t)
+        kernels_ffn = getattr(moe.experts, "_graph")  # noqa: B009 (GLUExperts' ggml description of itself)
+        assert kernels_ffn is not None
+        ffn = kernels_ffn[1]
+        w = {}
+        for name, (gtype, ne, ptr, _) in ffn.inputs.items():
+            value = getattr(ffn, name)
+            w[name] = self.b.weight(value) if isinstance(value, GGMLWeight) else self.b.leaf(gtype, ne, ptr, value)
+        out = expert_ffn_nodes(ctx, ffn, w, ggml.ggml_reshape_3d(ctx, h, int(h.contents.ne[0]), 1, t), ids, mix)
+        return ggml.ggml_reshape_2d(ctx, out, int(out.contents.ne[0]), t)  # [D, T]
+
+
+def _flat(ctx: int, x: Tensor, t: int) -> Tensor:
+    """x [a, b, T] (contiguous) as [a*b, T]."""
+    ne = x.contents.ne
+    return ggml.ggml_reshape_2d(ctx, x, int(ne[0]) * int(ne[1]), t)
+
+
+def layer_windows(model: DecoderModel) -> list[int | None]:
+    """Each layer's sliding window (None: full attention)."""
+    return [block.mixer.shape.sliding_window for block in model.blocks]  # type: ignore[attr-defined]
+
+
+def attention_kinds(model: DecoderModel) -> list[int | None]:
+    """The distinct windows of the model's layers (None, full attention, first): each is a kind of attention whose
+    keys and mask a sequence shares between the layers of that kind."""
+    return sorted(set(layer_windows(model)), key=lambda w: -1 if w is None else w)

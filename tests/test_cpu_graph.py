@@ -1,0 +1,125 @@
+"""The CPU step as ggml graphs (tandem.models.cpu_graph) against the layer-by-layer path (models/decoder.py).
+
+On the bundled Gemma 3 270M the two give the same logits bit for bit (so llama.cpp's, tests/test_real_gemma3.py):
+prompts that take the host's tiled Q6_K product between graphs, chunked prefill, contexts past the sliding window,
+decode steps, and several sequences in one step; the paths take turns on one cache. On the tiny models the graphs
+cover, ggml's SwiGLU and routing replace torch's: close, not equal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tandem
+from tandem.api import default_model_path
+from tandem.models.cpu_graph import StepGraph
+from tandem.models.cpu_graph.decoder import unsupported
+from tandem.runtime.sampling import Sampler, SamplingParams
+
+
+def _prompt(n: int, seed: int, n_vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [2] + torch.randint(3, n_vocab, (n - 1,), generator=g).tolist()
+
+
+def _graphs(llm: tandem.LLM) -> StepGraph:
+    graph = StepGraph.create(llm.model, llm.engine.pool, force=True)
+    assert graph is not None, unsupported(llm.model, llm.engine.pool)
+    return graph
+
+
+def _run(llm: tandem.LLM, graph: StepGraph | None, prompt: list[int], n_decode: int) -> np.ndarray:
+    """Logits after the prompt and after each of n_decode greedy tokens, from an empty slot 0."""
+    llm.engine.runner.cpu_graph = graph
+    llm.engine.reset()
+    logits = llm.engine.append(prompt)
+    out = [logits.numpy().copy()]
+    for _ in range(n_decode):
+        logits = llm.engine.append([int(torch.argmax(logits))])
+        out.append(logits.numpy().copy())
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[tuple[tandem.LLM, StepGraph]]:
+    llm = tandem.LLM(default_model_path(), n_ctx=768, threads=2, n_batch=160, n_parallel=3)
+    yield llm, _graphs(llm)
+    llm.close()
+
+
+@pytest.mark.parametrize("n_prompt, n_decode", [(5, 3), (12, 2), (41, 2), (600, 70)])
+def test_bundled_gemma_graphs_equal_the_layer_path(gemma: tuple[tandem.LLM, StepGraph], n_prompt: int,
+                                                   n_decode: int) -> None:  # fmt: skip
+    """12 and 41 rows run the tiled Q6_K product on the host between graphs; 600 tokens are prefilled in chunks of
+    160 and decoded past the sliding window (512) and across KV_PAD boundaries."""
+    llm, graph = gemma
+    prompt = _prompt(n_prompt, n_prompt, llm.config.n_vocab)
+    ours = _run(llm, graph, prompt, n_decode)
+    ref = _run(llm, None, prompt, n_decode)
+    assert np.array_equal(ours, ref), f"max |diff| {np.abs(ours - ref).max()}"
+
+
+def test_paths_take_turns_on_one_cache(gemma: tuple[tandem.LLM, StepGraph]) -> None:
+    """Each path continues what the other wrote into the slot (the f16 rows and their float32 copies)."""
+    llm, graph = gemma
+    prompt = _prompt(90, 7, llm.config.n_vocab)
+    ref = _run(llm, None, prompt, 6)
+    engine = llm.engine
+    engine.reset()
+    out = []
+    for i, piece in enumerate([prompt[:50], prompt[50:], *([None] * 6)]):
+        engine.runner.cpu_graph = graph if i % 2 == 0 else None
+        logits = engine.append(piece if piece is not None else [int(np.argmax(out[-1]))])
+        if i >= 1:
+            out.append(logits.numpy().copy())
+    assert np.array_equal(np.stack(out), ref)
+
+
+def test_several_sequences_in_one_step(gemma: tuple[tandem.LLM, StepGraph]) -> None:
+    """Three requests through the engine together (prefill chunks beside decodes, slots joining late) give each
+    the greedy tokens of the layer path alone."""
+    llm, graph = gemma
+    engine = llm.engine
+    requests = [(_prompt(n, n, llm.config.n_vocab), k) for n, k in ((9, 8), (200, 5), (3, 10))]
+    alone = []
+    for prompt, k in requests:
+        engine.runner.cpu_graph = None
+        for slot in engine.pool.caches:
+            slot.truncate(0)
+        alone.append(llm.generate_ids(prompt, max_tokens=k, temperature=0))
+    for slot in engine.pool.caches:
+        slot.truncate(0)
+    engine.runner.cpu_graph = graph
+    seqs = []
+    for step in range(40):
+        if step in (0, 1, 3):
+            prompt, k = requests[len(seqs)]
+            seqs.append(engine.add_request(prompt, Sampler(SamplingParams(temperature=0.0)), k, llm.tokenizer.stop_ids))
+        if not engine.has_work:
+            break
+        engine.step()
+    assert [s.tokens[len(p) :] for s, (p, _) in zip(seqs, requests, strict=True)] == alone
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf"])
+def test_tiny_models_close_to_the_layer_path(fixture: str, request: pytest.FixtureRequest) -> None:
+    _, path = request.getfixturevalue(fixture)
+    with tandem.LLM(Path(path), device="cpu", n_ctx=256, threads=2, n_batch=32) as llm:
+        graph = _graphs(llm)
+        prompt = _prompt(70, 3, llm.config.n_vocab)
+        ours, ref = _run(llm, graph, prompt, 8), _run(llm, None, prompt, 8)
+        np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma3_gguf", "tiny_qwen35moe_gguf", "tiny_gpt_oss_gguf"])
+def test_uncovered_models_keep_the_layer_path(fixture: str, request: pytest.FixtureRequest) -> None:
+    _, path = request.getfixturevalue(fixture)
+    with tandem.LLM(Path(path), device="cpu", n_ctx=64, threads=2) as llm:
+        assert unsupported(llm.model, llm.engine.pool) is not None
+        assert StepGraph.create(llm.model, llm.engine.pool, force=True) is None
+        assert llm.engine.runner.cpu_graph is None
