@@ -22,7 +22,7 @@ import uvicorn
 import tandem
 from tandem.cli.main import main
 from tandem.runtime.sampling import NonFiniteLogitsError
-from tandem.server import EngineWorker, create_app, listen
+from tandem.server import EngineWorker, create_app, listen, protocol
 
 KEY = "test-key"
 N_CTX = 256
@@ -134,6 +134,20 @@ def test_penalties_are_applied(server: Running, reference: tandem.LLM) -> None:
     assert plain == reference.generate(COUNTING, max_tokens=6, temperature=0)
     penalised = client.completions.create(**kw, frequency_penalty=2.0, presence_penalty=2.0).choices[0].text
     assert penalised != plain  # counting repeats ", " every token: penalised, it cannot go on the same way
+
+
+def test_ignore_eos(server: Running) -> None:
+    """llama-server's ignore_eos (benchmarks ask for exactly max_tokens): parsed, checked, and the request's end
+    tokens dropped, so it runs to max_tokens."""
+    assert protocol.openai_completion({"prompt": "x", "ignore_eos": True}).ignore_eos
+    assert not protocol.openai_chat({"messages": CHAT}).ignore_eos
+    client = server.client()
+    done = client.completions.create(model="any", prompt=COUNTING, max_tokens=7, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    assert done.usage.completion_tokens == 7 and done.choices[0].finish_reason == "length"
+    with server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "ignore_eos": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"
 
 
 def test_ollama_endpoints(server: Running, reference: tandem.LLM) -> None:

@@ -52,6 +52,7 @@ class Generation:
     max_tokens: int = -1  # -1: until an end-of-generation token or a full context
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # llama-server's: end-of-generation tokens do not stop it (benchmarks)
     template_kwargs: dict[str, Any] | None = None
 
 
@@ -126,7 +127,7 @@ class Fields:
 
 def sampling(f: Fields, max_tokens_names: tuple[str, ...]) -> Generation:
     """The sampling and stopping fields shared by every endpoint (OpenAI's names, and llama-server's top_k,
-    min_p, repeat_penalty, repeat_last_n); absent fields take llama.cpp's defaults, as `tandem run`."""
+    min_p, repeat_penalty, repeat_last_n, ignore_eos); absent fields take llama.cpp's defaults, as `tandem run`."""
     given = {name: f.option(name) for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                "repeat_last_n", "presence_penalty", "frequency_penalty",
                                                "seed")}  # fmt: skip
@@ -143,6 +144,7 @@ def sampling(f: Fields, max_tokens_names: tuple[str, ...]) -> Generation:
         max_tokens=max_tokens,
         sampling=params,
         stop=f.stop(),
+        ignore_eos=f.boolean("ignore_eos", False),
     )
 
 
@@ -156,7 +158,7 @@ def _openai_common(f: Fields) -> None:
     f.refuse("functions", why="function calls are not supported")
     response_format = f.get("response_format", dict, "an object")
     if response_format is not None and response_format.get("type", "text") != "text":
-        raise f.error("response_format", "only {\"type\": \"text\"} is supported")
+        raise f.error("response_format", 'only {"type": "text"} is supported')
 
 
 def chat_messages(f: Fields, name: str = "messages") -> list[dict[str, str]]:

@@ -198,9 +198,8 @@ class EngineWorker:
         assert self.llm is not None
         try:
             ids = self._prompt_ids(job.gen)
-            job.seq = self.llm.engine.add_request(
-                ids, Sampler(job.gen.sampling), job.gen.max_tokens, self.llm.tokenizer.stop_ids
-            )
+            stop_ids = frozenset() if job.gen.ignore_eos else self.llm.tokenizer.stop_ids
+            job.seq = self.llm.engine.add_request(ids, Sampler(job.gen.sampling), job.gen.max_tokens, stop_ids)
         except TandemError as e:  # a prompt too long for the context, a template that fails, a bad token id
             code = "context_length_exceeded" if isinstance(e, ContextFullError) else None
             self._fail(job, APIError(400, str(e), code=code))
