@@ -14,10 +14,10 @@ on a free port, waited for on /health and stopped at the end; or one already run
 The workload, the same for both: `/v1/completions` (or `--endpoint chat`), streamed, with usage
 (`stream_options.include_usage`), greedy (temperature 0), `max_tokens`; every request's prompt starts with its
 own tag (round and stream), so no server reuses another request's cached prefix, then a fixed text cut to
---prompt-tokens tokens with the model's tokenizer (tandem's). llama-server is also sent `ignore_eos` (tandem's
-API has no such field: a tandem stream may end early at an end-of-generation token; the table shows the tokens
-each stream got). Both servers run at once and take turns: one untimed warm-up round per N each, then --reps
-rounds per N, the order of the two swapped from one round to the next.
+--prompt-tokens tokens with the model's tokenizer (tandem's). Both are sent llama-server's `ignore_eos`, so every
+stream runs to max_tokens (the table shows the tokens each stream got). Both servers run at once and take turns:
+one untimed warm-up round per N each, then --reps rounds per N, the order of the two swapped from one round to
+the next.
 
 Per server and N, over all its rounds: TTFT (send to the first streamed text) p50 and p99; per-stream decode tok/s
 (the median over streams of (tokens - 1) / (last text - first text)); aggregate decode tok/s (per round: the
@@ -344,7 +344,7 @@ def make_servers(args: argparse.Namespace, out: Path) -> list[Server]:
     servers = []
     for name, base, url, llama in ((TANDEM, args.tandem, args.tandem_url, False),
                                    (LLAMA, args.llama_server, args.llama_url, True)):  # fmt: skip
-        extra: dict[str, Any] = {"ignore_eos": True} if llama and args.ignore_eos else {}
+        extra: dict[str, Any] = {"ignore_eos": True} if args.ignore_eos else {}
         if url:
             servers.append(Server(name, url.rstrip("/"), extra))
         elif base:
@@ -484,7 +484,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed rounds per server and N (default 3)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up round per N (0: none)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send llama-server ignore_eos")  # fmt: skip
+                   help="do not send ignore_eos")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for a server to be ready")
     p.add_argument("--budget", type=float, default=0.0, help="stop starting rounds after this many seconds")
