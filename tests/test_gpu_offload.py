@@ -364,3 +364,28 @@ def test_pcie_experts_across_moe_archs(fixture: str, request: pytest.FixtureRequ
     per_row = (split - cpu_only).abs().amax(dim=1).tolist()
     print(f"{fixture}: --pcie-experts 1 against the CPU alone, max |logit diff| per row: {per_row}")
     assert (split - cpu_only).abs().max() <= 1e-2 * cpu_only.abs().max(), per_row
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3moe_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
+def test_pcie_experts_split_by_expert_in_a_batch(fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Six sequences decoding at once with --pcie-experts 1 (the 8-row graph, captured after its eager first
+    step): a batch splits its experts by expert between ggml and the GPU (weights/offload.py split_by_expert);
+    the logits stay within rounding of the CPU-only run's, as one token's split by slot does above."""
+    import tandem
+    from tandem.convert import convert_hf
+
+    path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
+    prompts = [[3 + s, 17, 29, 41, 5, 8, 13][: 2 + s] for s in range(6)]  # 2 to 7 tokens: both splits in prefill
+    runs = []
+    for k in (0, 1):  # the tiny models select 2 experts per token: the GPU takes half of the experts
+        with tandem.LLM(path, device="cuda", cpu_moe=True, dtype="f32", cache_type="f32", n_ctx=64, n_parallel=6,
+                        pcie_experts=k) as llm:  # fmt: skip
+            runner = llm.engine.runner
+            logits = [runner.run([(s, p)]).float().cpu() for s, p in enumerate(prompts)]
+            logits += [runner.run([(s, [11 + i + s]) for s in range(6)]).float().cpu() for i in range(4)]
+            assert runner.captured(8) is not None
+            runs.append(torch.cat(logits))
+    cpu_only, split = runs
+    per_row = (split - cpu_only).abs().amax(dim=1).tolist()
+    print(f"{fixture}: batched --pcie-experts 1 against the CPU alone, max |logit diff| per row: {per_row}")
+    assert (split - cpu_only).abs().max() <= 1e-2 * cpu_only.abs().max(), per_row

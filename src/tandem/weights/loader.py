@@ -317,7 +317,7 @@ class WeightLoader:
             on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH,
             pcie=pcie, pcie_slots=self.pcie_experts,
         )  # fmt: skip
-        self.host_boundaries.append(offloaded.host)
+        self.host_boundaries.extend(offloaded.hosts)
         return offloaded
 
     def _pcie_experts(self, build: Callable[[ExpertSource], RoutedExperts]) -> RoutedExperts:

@@ -12,7 +12,9 @@ moves an expert faster than the CPU can compute it for many tokens.
 Decode with `--pcie-experts K` (opt-in): the GPU computes K of each token's selected experts by reading their
 blocks in host RAM over PCIe (device views of the page-locked file, no copy, no VRAM) while ggml computes the
 others. The two readers together read host memory faster than ggml alone, so a layer's experts take less time
-split (`bench/split_experts.py` measures it; docs/FLAGS.md). The weights stay where the plan put them.
+split (`bench/split_experts.py` measures it; docs/FLAGS.md). The weights stay where the plan put them. One token
+splits by slot (its last K experts go to the GPU); a batch of several splits by expert (`split_by_expert`): the
+sequences of a batched decode share experts, and a split by slot would have both sides read most of them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from tandem.cuda.qlinear import GPUQuantWeight
 
 HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
+# From this many rows a --pcie-experts batch splits its experts by expert rather than by slot (split_by_expert).
+PCIE_BY_EXPERT_ROWS = 4
 
 
 # Set to 0 to capture the decode step in segments replayed in order, without HostFlags (for measuring).
@@ -297,18 +301,28 @@ class OffloadedExperts:
     pcie: RoutedExperts | None = None  # built over device views of the host blocks (--pcie-experts)
     pcie_slots: int = 0  # of each token's selected experts, how many `pcie` computes (the last ones)
     host: HostCall = field(init=False)
+    host_by_expert: HostCall | None = field(init=False)  # the CPU's part of a batch split by expert
 
     def __post_init__(self) -> None:
-        self.host = HostCall(
-            lambda xs: self.on_cpu(xs[0], Routing(ids=xs[1], weights=xs[2])),
-            bind=self._bind if hasattr(self.on_cpu, "bind") else None,
-        )
+        def host_op() -> HostCall:
+            return HostCall(
+                lambda xs: self.on_cpu(xs[0], Routing(ids=xs[1], weights=xs[2])),
+                bind=self._bind if hasattr(self.on_cpu, "bind") else None,
+            )
+
+        self.host = host_op()
+        self.host_by_expert = host_op() if self.pcie is not None and self.pcie_slots > 0 else None
 
     def _bind(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
         return self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.start(x, routing)()
+
+    @property
+    def hosts(self) -> list[HostCall]:
+        """The host ops (boundaries of a captured step): one, and with --pcie-experts the batches' own."""
+        return [self.host] if self.host_by_expert is None else [self.host, self.host_by_expert]
 
     def start(self, x: torch.Tensor, routing: Routing) -> Pending:
         """Begin the experts; the CPU computes them while the caller queues GPU work, until the result is asked."""
@@ -317,10 +331,15 @@ class OffloadedExperts:
             return lambda: out
         if self.pcie is None or self.pcie_slots == 0:
             return self.host.start(self._host_inputs(x, routing), x.shape, x.dtype)
-        on_cpu = routing.ids.shape[1] - self.pcie_slots
-        cpu = Routing(ids=routing.ids[:, :on_cpu], weights=routing.weights[:, :on_cpu])
-        gpu = Routing(ids=routing.ids[:, on_cpu:], weights=routing.weights[:, on_cpu:])
-        pending = self.host.start(self._host_inputs(x, cpu), x.shape, x.dtype)
+        host = self.host
+        if x.shape[0] >= PCIE_BY_EXPERT_ROWS and self.host_by_expert is not None:
+            cpu, gpu = split_by_expert(routing, self.pcie_slots)
+            host = self.host_by_expert  # its ids buffer holds every slot
+        else:
+            on_cpu = routing.ids.shape[1] - self.pcie_slots
+            cpu = Routing(ids=routing.ids[:, :on_cpu], weights=routing.weights[:, :on_cpu])
+            gpu = Routing(ids=routing.ids[:, on_cpu:], weights=routing.weights[:, on_cpu:])
+        pending = host.start(self._host_inputs(x, cpu), x.shape, x.dtype)
         over_pcie = self.pcie(x, gpu)  # queued after the host op's inputs: runs while the CPU computes
         return lambda: pending() + over_pcie
 
@@ -336,3 +355,30 @@ class OffloadedExperts:
     @staticmethod
     def _host_inputs(x: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
         return [x.float(), routing.ids.to(torch.int32), routing.weights.float()]
+
+
+def pcie_side(ids: torch.Tensor, k: int, n_active: int) -> torch.Tensor:
+    """Whether the GPU computes each of the experts `ids` when a batch splits by expert: k / n_active of all the
+    experts, evenly spread over their ids (e where floor((e + 1) k / n_active) > floor(e k / n_active))."""
+    e = ids.long()
+    return (e + 1) * k // n_active > e * k // n_active
+
+
+def split_by_expert(routing: Routing, k: int) -> tuple[Routing, Routing]:
+    """A batch's selected experts split by expert between the CPU and the GPU over PCIe (the GPU takes the
+    pcie_side ones, k / n_active of them), as (cpu, gpu) routings [T, A] each. Every slot stays on both sides;
+    on the side that does not compute its expert it becomes a filler of weight 0 naming an expert that side
+    computes anyway: the token's first one there, or the side's first expert id when it has none. So each side
+    reads only its own experts' blocks (and at most one other), and the two outputs add to the whole. On the
+    device, with no host sync: a captured step can split."""
+    ids, weights = routing.ids, routing.weights
+    n_active = ids.shape[1]
+    on_gpu = pcie_side(ids, k, n_active)
+
+    def side(mine: torch.Tensor, first: int) -> Routing:
+        own = ids.gather(1, mine.to(torch.float32).argmax(dim=1, keepdim=True))  # the first own slot's expert
+        filler = torch.where(mine.any(dim=1, keepdim=True), own, torch.full_like(own, first))
+        return Routing(ids=torch.where(mine, ids, filler), weights=torch.where(mine, weights, 0.0))
+
+    # Expert 0 is never a pcie_side one (k < n_active); -(-n_active // k) - 1 is the first that is.
+    return side(~on_gpu, 0), side(on_gpu, -(-n_active // k) - 1)
