@@ -74,10 +74,11 @@
 #     costs, with flags and in order)
 #   BATCHED="1,4,16" (after each model's matrix: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
-#     BATCHED_TG=64; the tables in the log). MATRIX=none skips the matrix.
+#     BATCHED_TG=64; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well, which
+#     llama.cpp has no form of). MATRIX=none skips the matrix.
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
-#     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all", prompt HTTP_PP=128 tokens, HTTP_TG=64
-#     tokens each, HTTP_REPS=2 rounds per N and server; the table in the log. tandem serve needs fastapi, starlette,
+#     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all" (NAME+pcieK as BATCHED's), prompt
+#     HTTP_PP=128 tokens, HTTP_TG=64 tokens each, HTTP_REPS=2 rounds per N and server; the table in the log. tandem serve needs fastapi, starlette,
 #     uvicorn and pydantic, which the device image lacks: carry their wheels in .whl/, else llama-server runs alone)
 #   The llama.cpp tools of BATCHED and HTTP (llama-batched-bench, llama-server) are built thin, in the background
 #     once get_llama's libraries are there: scripts/build_llamacpp_tools.sh --shared-libs $PEER_LIB compiles only
@@ -345,13 +346,15 @@ for k in "${!targets[@]}"; do
   if [[ -n "${BATCHED:-}" ]]; then
     placements=(${BATCHED_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
-      flags=()
-      [[ $placement == cpu-moe ]] && flags=(--cpu-moe)
-      [[ $placement =~ ^n-cpu-moe=([0-9]+)$ ]] && flags=(--n-cpu-moe "${BASH_REMATCH[1]}")
+      flags=() tflags=""
+      [[ $placement == cpu-moe* ]] && flags=(--cpu-moe)
+      [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags=(--n-cpu-moe "${BASH_REMATCH[1]}")
+      [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
       part=$(( batched_share / ${#placements[@]} ))
       say "batched $name $placement: npl $BATCHED, $part s"
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
         --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
+        --tandem-flags "$tflags" \
         --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part / 2 ))" \
         --out "/tmp/batched_${name}_$placement" >"/tmp/batched_${name}_$placement.out" 2>&1
       say "batched $name $placement: exit $?"
@@ -369,15 +372,16 @@ for k in "${!targets[@]}"; do
     [[ "$DEVICE" == cpu ]] && ngl=0
     placements=(${HTTP_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
-      flags=(-t "$THREADS")
-      [[ $placement == cpu-moe ]] && flags+=(--cpu-moe)
-      [[ $placement =~ ^n-cpu-moe=([0-9]+)$ ]] && flags+=(--n-cpu-moe "${BASH_REMATCH[1]}")
+      flags=(-t "$THREADS") tflags=""
+      [[ $placement == cpu-moe* ]] && flags+=(--cpu-moe)
+      [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags+=(--n-cpu-moe "${BASH_REMATCH[1]}")
+      [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
       part=$(( http_share / ${#placements[@]} ))
       if (( part < 60 )); then say "http $name $placement: no time left ($part s)"; continue; fi
       say "http $name $placement: concurrency $HTTP, $part s"
       timeout -s TERM -k 20 "$part" "$PY" bench/http_bench.py -m "$model" --concurrency "$HTTP" "${servers[@]}" \
         --prompt-tokens "${HTTP_PP:-128}" --max-tokens "${HTTP_TG:-64}" --reps "${HTTP_REPS:-2}" \
-        --flags "${flags[*]}" --llama-flags "-ngl $ngl" --budget "$(( part - 25 ))" --start-timeout "$(( part / 3 ))" \
+        --flags "${flags[*]}" --llama-flags "-ngl $ngl" ${tflags:+--tandem-flags "$tflags"} --budget "$(( part - 25 ))" --start-timeout "$(( part / 3 ))" \
         --out "/tmp/http_${name}_$placement" >"/tmp/http_${name}_$placement.out" 2>&1
       say "http $name $placement: exit $?"
       cat "/tmp/http_${name}_$placement.out"
