@@ -13,7 +13,7 @@ import tandem
 from tandem.cli.main import main
 from tandem.errors import ChatTemplateError, TandemError
 from tandem.runtime.generate import TextStream
-from tandem.runtime.sampling import Sampler, SamplingParams, largest
+from tandem.runtime.sampling import NonFiniteLogitsError, Sampler, SamplingParams, largest, sample_rows
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +301,22 @@ def test_a_seeded_draw_holds_when_rounding_moves_the_logits() -> None:
     ]
     assert picks[0] == picks[1]
     assert len(set(picks[0])) > 5  # the draws do spread over the candidates
+
+
+def test_sample_rows_gives_each_samplers_token() -> None:
+    """A step's rows sampled together (the plain greedy ones in one pick) give each row its sampler's own token;
+    a non-finite logit in a plain greedy row is still the error naming it."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)) * 3
+    histories = [[1, 2, 3], [], [7, 7, 7], [4], [], [9, 10]]
+    kinds = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.0, "repeat_penalty": 1.3},
+             {"temperature": 0.0}, {"temperature": 1.2, "top_k": 5, "seed": 2}, {"temperature": 0.0}]  # fmt: skip
+    alone = [Sampler(SamplingParams(**k))(row, h) for k, row, h in zip(kinds, logits, histories, strict=True)]
+    together = sample_rows([Sampler(SamplingParams(**k)) for k in kinds], logits, histories)
+    assert together == alone
+    assert (
+        sample_rows([Sampler(SamplingParams(temperature=0.0))] * 2, logits[:2], [[], []])
+        == logits[:2].argmax(1).tolist()
+    )
+    logits[3, 17] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="1 non-finite"):
+        sample_rows([Sampler(SamplingParams(**k)) for k in kinds], logits, histories)

@@ -16,7 +16,7 @@ import torch
 
 from tandem.models.decoder import DecoderModel
 from tandem.runtime.runner import ModelRunner
-from tandem.runtime.sampling import Sampler
+from tandem.runtime.sampling import Sampler, sample_rows
 from tandem.runtime.scheduler import Scheduler, reuse_prefix
 from tandem.runtime.sequence import Sequence
 from tandem.state.kv_cache import ContextFullError, KVCache
@@ -85,12 +85,13 @@ class Engine:
                 self.pool.caches[w.seq.slot].truncate(0)  # type: ignore[index]
                 self.scheduler.finish(w.seq, "abort")
             raise
+        sampled = [(w.seq, row) for w, row in zip(work, logits, strict=True) if w.samples]
+        if not sampled:
+            return []
+        rows = torch.stack([row for _, row in sampled]) if len(sampled) < len(work) else logits
+        tokens = sample_rows([seq.sampler for seq, _ in sampled], rows, [seq.tokens for seq, _ in sampled])
         out = []
-        for w, row in zip(work, logits, strict=True):
-            if not w.samples:
-                continue
-            seq = w.seq
-            token = seq.sampler(row, seq.tokens)
+        for (seq, _), token in zip(sampled, tokens, strict=True):
             if token in seq.stop_ids:
                 self.scheduler.finish(seq, "stop")
                 out.append(StepOutput(seq, None))

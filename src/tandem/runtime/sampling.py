@@ -239,3 +239,18 @@ class Sampler:
         probs = probs[order]
         pick = torch.multinomial(probs, 1, generator=self._generator(probs.device))
         return int(ids[pick].item())
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor, histories: Sequence[Sequence[int]]) -> list[int]:
+    """Each row's next token, row i of logits [B, V] drawn by samplers[i] after histories[i]: what each sampler
+    gives alone, with the plain greedy rows (no penalties) picked together, one argmax over those rows and one
+    transfer for the step instead of two host syncs per row."""
+    plain = [s.params.greedy and not s.params.penalizes for s in samplers]
+    picked: dict[int, int] = {}
+    if any(plain):
+        rows = [i for i, p in enumerate(plain) if p]
+        block = (logits if len(rows) == len(samplers) else logits[rows]).float()
+        finite, best = torch.stack([torch.isfinite(block).all(dim=1).long(), torch.argmax(block, dim=1)]).tolist()
+        picked = {i: token for i, token, ok in zip(rows, best, finite, strict=True) if ok}
+    # The others, and a plain row with a non-finite logit (its sampler raises the error naming it).
+    return [picked[i] if i in picked else sampler(logits[i], histories[i]) for i, sampler in enumerate(samplers)]
