@@ -40,7 +40,9 @@
 #   PEER_LIB=DIR (llama-cpp-python install; default: built into /tmp/llama_cpp_cuda)  OUT (default ./out)
 #   GPU_TESTS=1 (run `pytest -m gpu` while llama.cpp builds; its results and failures in the log and its whole log in
 #     $OUT/pytest_gpu.log; or a list of test files, e.g. GPU_TESTS="tests/test_gpu_offload.py", to run those only;
-#     GPU_TESTS_S=420 bounds it: the whole suite took ~400 s beside the llama.cpp build on 2026-12-01)
+#     GPU_TESTS_S=420 bounds it: the whole suite took ~400 s beside the llama.cpp build on 2026-12-01, 352 s alone
+#     on 2026-12-02; GPU_TESTS_WORKERS=N spreads the test files over N pytest-xdist processes sharing the GPU, then
+#     runs the tests that time an overlap alone)
 #   PREWARM=1 (default; 0: off) per preset, a 6-layer copy (`synth --layers 6`) run once untimed (`tandem bench
 #     --matrix n-cpu-moe=half --tg 4 --reps 1`), the presets one after the other once the first model is made:
 #     Triton's compiles and autotuning are per kernel and shape, so the cache then serves the full models
@@ -72,9 +74,10 @@
 #     back in $OUT; FIDELITY_SETTINGS picks tandem's settings). MODELS=" " runs no bench.
 #   HANDOFF=1 (before the benches: bench/handoff.py, what one hand-off between the captured step and a host op
 #     costs, with flags and in order)
-#   BATCHED="1,4,16" (after each model's matrix: bench/batched_compare.py, tandem's engine with N sequences at once
+#   BATCHED="1,4,16" (after each model's matrix (which then takes half of its time), with HTTP's placements
+#     sharing the rest: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
-#     BATCHED_TG=64; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well, which
+#     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well, which
 #     llama.cpp has no form of). MATRIX=none skips the matrix.
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
 #     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all" (NAME+pcieK as BATCHED's), prompt
@@ -239,9 +242,19 @@ if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp build
   [[ "$GPU_TESTS" == 1 ]] || read -r -a gpu_tests <<<"$GPU_TESTS"
   say "pytest -m gpu ${gpu_tests[*]} (at most ${GPU_TESTS_S:-420} s)"
   # The log goes straight to $OUT and the run is bounded: a call that runs out of time still brings back what ran.
-  timeout -k 10 "${GPU_TESTS_S:-420}" "$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="" \
-    "${gpu_tests[@]}" >"$OUT/pytest_gpu.log" 2>&1
-  say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
+  pytest_gpu=("$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="")
+  workers="${GPU_TESTS_WORKERS:-1}"
+  if (( workers > 1 )); then  # files spread over worker processes on the one GPU; the timed tests alone after
+    serial="overlap or side_by_side"  # they assert that work overlapped in time: another process's kernels skew it
+    timeout -k 10 "${GPU_TESTS_S:-420}" "${pytest_gpu[@]}" -n "$workers" --dist loadfile -k "not ($serial)" \
+      "${gpu_tests[@]}" >"$OUT/pytest_gpu.log" 2>&1
+    say "pytest -m gpu, $workers workers: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
+    timeout -k 10 120 "${pytest_gpu[@]}" -k "$serial" "${gpu_tests[@]}" >>"$OUT/pytest_gpu.log" 2>&1
+    say "pytest -m gpu -k '$serial', alone: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
+  else
+    timeout -k 10 "${GPU_TESTS_S:-420}" "${pytest_gpu[@]}" "${gpu_tests[@]}" >"$OUT/pytest_gpu.log" 2>&1
+    say "pytest -m gpu: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"
+  fi
   ln -sf "$OUT/pytest_gpu.log" /tmp/pytest_gpu.log
   grep -E "^(PASSED|FAILED|ERROR)|relative L2" /tmp/pytest_gpu.log  # the whole log stays there: $OUT has room for 8 files
   # Each failure's header, its location and its E lines (a whole traceback would push the others out of the tail).
@@ -322,7 +335,9 @@ for k in "${!targets[@]}"; do
     [[ "$matrix" != none ]] && tools_share=$(( share / 2 ))
     share=$(( share - tools_share ))
     budget=$(( share - 15 ))
-    if [[ -n "${BATCHED:-}" && -n "${HTTP:-}" ]]; then batched_share=$(( tools_share / 2 ))
+    if [[ -n "${BATCHED:-}" && -n "${HTTP:-}" ]]; then  # shared by their placements
+      n_bp=$(wc -w <<<"${BATCHED_PLACEMENTS:-cpu-moe all}") n_hp=$(wc -w <<<"${HTTP_PLACEMENTS:-cpu-moe all}")
+      batched_share=$(( tools_share * n_bp / (n_bp + n_hp) ))
     elif [[ -n "${BATCHED:-}" ]]; then batched_share=$tools_share; fi
     [[ -n "${HTTP:-}" ]] && http_share=$(( tools_share - batched_share ))
   fi
@@ -354,7 +369,7 @@ for k in "${!targets[@]}"; do
       say "batched $name $placement: npl $BATCHED, $part s"
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
         --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
-        --tandem-flags "$tflags" \
+        --tandem-flags "$tflags" --reps "${BATCHED_REPS:-3}" \
         --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part / 2 ))" \
         --out "/tmp/batched_${name}_$placement" >"/tmp/batched_${name}_$placement.out" 2>&1
       say "batched $name $placement: exit $?"
