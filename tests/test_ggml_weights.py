@@ -236,7 +236,20 @@ def test_tiled_q6_k_product_is_the_kernels_arithmetic(arithmetic: str) -> None:
         check(y, x.double() @ dequant(w).T, activation_as_ggml_sees_it(x, Q.Q6_K) @ dequant(w).T, Q.Q6_K)
 
 
+def test_tiled_q6_k_int8_and_float64_products_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block sums as int8 products (hi and lo parts of the scaled codes) or float64 ones: both exact."""
+    w = q6_k_weight((48, 1024), 23)
+    torch.manual_seed(24)
+    x = torch.randn(70, 1024) * torch.logspace(-3, 3, 1024)  # blocks of very different magnitudes
+    x[5] = 0.0  # a row of zeros, and a block of zeros in another
+    x[9, 256:512] = 0.0
+    int8 = TiledQ6K(w.data, w.shape).matmul(x)
+    monkeypatch.setattr(gtiled, "INT8_PRODUCTS", False)
+    assert torch.equal(TiledQ6K(w.data, w.shape).matmul(x), int8)
+
+
 def test_tiled_q6_k_chunked_and_uncached_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gtiled, "INT8_PRODUCTS", False)  # the float64 products' chunking
     w = q6_k_weight((40, 1024), 20)
     x = torch.randn(9, 1024)
     cached = TiledQ6K(w.data, w.shape)

@@ -16,8 +16,11 @@ same arithmetic for Q6_K):
 * r = float(s) * d_w (float32), then acc = fma(r, d_x, acc), block after block from acc = 0 (a
   multiply then an add where the build has no FMA).
 
-Here the integer sums are float64 matrix products (exact: every partial sum is an integer below 2^53)
-and the float steps are float32 ones; the fused multiply-add is rounded once (`fma32`). The result is
+Here the integer sums are int8 matrix products with int32 sums (`torch._int_mm`, oneDNN's VNNI kernels): each
+weight code times its sub-block scale, w = (q - 32) * scale in [-4064, 4096], is split as 64 * hi + lo with both
+parts int8 (hi in [-64, 64], lo in [-32, 31]), so s = 64 * (hi . c) + (lo . c) exactly; without `_int_mm` they are
+float64 matrix products (exact: every partial sum is an integer below 2^53). The float steps are float32 ones;
+the fused multiply-add is rounded once (`fma32`). The result is
 llama.cpp's to the bit (scripts/llamacpp_cpu_matmul.py checks it against llama.cpp's own ggml for 8 to
 300 rows); it takes 2.5-3.5x the time of ggml's product (640 x 2048, 8 to 512 rows, 2 threads).
 
@@ -26,8 +29,9 @@ unless GGML_CPU_TILED_MM is 0; `TILED_ARITHMETIC` follows ggml's own build flags
 native build's flags are the machine's, as llama.cpp's native build). Only Q6_K is ported; the
 kernel's other types (Q5_K, Q4_K not repacked, Q3_K, Q2_K, IQ*) still go through ggml's `mul_mat`.
 
-Memory: a weight's codes (q - 32, int8) and sub-block scales (int8) are unpacked and kept on first use:
-1.06 bytes per weight, against 0.82 for the GGUF blocks (Gemma 3 270M: 9 tensors of 640 x 2048, 12 MiB).
+Memory: a weight's two int8 parts are made and kept on first use: 2 bytes per weight, against 0.82 for the GGUF
+blocks (Gemma 3 270M: 9 tensors of 640 x 2048, 23 MiB); for the float64 products, its codes (q - 32, int8) and
+sub-block scales (int8), 1.06 bytes per weight.
 A tensor whose codes would exceed `CACHE_MAX_BYTES` is unpacked again, in row chunks, on every call
 instead. Each call's float64 temporaries are bounded by `CHUNK_BYTES` (blocks and rows in chunks),
 besides the activation codes (8 bytes per activation value).
@@ -77,6 +81,7 @@ def _tiled_arithmetic() -> str | None:
 
 
 TILED_ARITHMETIC = _tiled_arithmetic()
+INT8_PRODUCTS = hasattr(torch, "_int_mm")  # int8 x int8 -> int32 products on the CPU (oneDNN)
 
 
 def tiled_product(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> TiledQ6K | None:
@@ -163,6 +168,7 @@ class TiledQ6K:
         self.shape = (n, k)
         self.arithmetic = arithmetic
         self._parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -188,11 +194,27 @@ class TiledQ6K:
         codes, scales, d = self._parts
         return codes[:, r0:r1], scales[:, r0:r1], d[:, r0:r1]
 
+    def _int8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block, the weights' codes times their sub-block scales as 64 * hi + lo, [B, 256, 2N] int8 (hi in
+        columns :N, lo in N:), and d [B, N] float32; made once."""
+        with self._lock:
+            if self._int8 is None:
+                n, k = self.shape
+                codes, scales, d = _unpack_q6_k(self._blocks(0, n))  # [B, N, 256], [B, N, 16], [B, N]
+                w = codes.to(torch.int16) * scales.to(torch.int16).repeat_interleave(16, dim=-1)
+                lo = torch.remainder(w + 32, 64) - 32
+                hi = torch.div(w - lo, 64, rounding_mode="floor")
+                parts = torch.cat([hi, lo], dim=1).to(torch.int8).transpose(1, 2).contiguous()  # [B, 256, 2N]
+                self._int8 = (parts, d)
+        return self._int8
+
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] float32 (contiguous, CPU) -> [T, N] float32: a fresh tensor, or `out` filled."""
         n, k = self.shape
         t = x.shape[0]
         y = torch.empty(t, n, dtype=torch.float32) if out is None else out
+        if INT8_PRODUCTS and 2 * n * k <= CACHE_MAX_BYTES:
+            return self._matmul_int8(x, y)
         codes, d_x = quantize_q8_k(x)
         codes = codes.transpose(0, 1).double()  # [B, T, 256]
         nb = k // _QK_K
@@ -216,3 +238,53 @@ class TiledQ6K:
                     acc = fma32(r[i], dx, acc) if self.arithmetic == "fma" else acc + r[i] * dx
             y[:, r0:r1] = acc
         return y
+
+    def _matmul_int8(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        n = self.shape[0]
+        parts, d_w = self._int8_parts()
+        codes, d_x = quantize_q8_k(x)
+        codes = codes.to(torch.int8).transpose(0, 1).contiguous()  # [B, T, 256]
+        nb, t = codes.shape[0], codes.shape[1]
+        r = torch.empty(nb, t, n, dtype=torch.float32)
+        for b in range(nb):
+            sums = torch._int_mm(codes[b], parts[b])  # [T, 2N] int32, exact
+            s = torch.add(sums[:, n:], sums[:, :n], alpha=64)  # |s| < 2^27: exact in int32
+            torch.mul(s, d_w[b], out=r[b])  # float(s) * d_w, as the kernel rounds it
+        _accumulate(r.numpy(), d_x.t().contiguous().numpy(), y.numpy(), self.arithmetic)
+        return y
+
+
+_CHAIN_ROWS = 32  # rows of a step of `_accumulate`: its float64 temporaries stay in the cache
+
+
+def _accumulate(r: np.ndarray, d_x: np.ndarray, out: np.ndarray, arithmetic: str) -> None:
+    """out[t, j] = the kernel's acc after the blocks: acc = fma(r[b, t, j], d_x[b, t], acc) from acc = 0, block
+    after block (arithmetic "fma"; a float32 multiply and add for "mul_add"). r [B, T, N], d_x [B, T] float32.
+
+    The fused multiply-add as `fma32` computes it, in numpy on row chunks: r * d_x is exact in float64, the sum
+    with acc is rounded once to float64, then to float32; where that float64 sum lies halfway between two float32
+    values, or in float32's subnormal range, it is first made round-to-odd from its exact error (TwoSum)."""
+    nb, t, _ = r.shape
+    for r0 in range(0, t, _CHAIN_ROWS):
+        rows = slice(r0, min(t, r0 + _CHAIN_ROWS))
+        if arithmetic != "fma":
+            acc = np.zeros_like(out[rows])
+            for b in range(nb):
+                acc += r[b, rows] * d_x[b, rows, None]
+            out[rows] = acc
+            continue
+        acc = (r[0, rows] * d_x[0, rows, None].astype(np.float64)).astype(np.float32)  # fma(r, d_x, 0): one rounding
+        for b in range(1, nb):
+            p = r[b, rows] * d_x[b, rows, None].astype(np.float64)  # exact
+            s = p + acc
+            new = s.astype(np.float32)
+            hard = (s.view(np.int64) & _F32_DROPPED_BITS) == _F32_HALFWAY
+            hard |= np.abs(new) < _F32_MIN_NORMAL
+            if hard.any():
+                ph, ch, sh = p[hard], acc[hard].astype(np.float64), s[hard]
+                z = sh - ph
+                err = (ph - (sh - z)) + (ch - z)  # sh + err == ph + ch exactly
+                odd = np.nextafter(sh, np.copysign(np.inf, err))
+                new[hard] = np.where((err != 0) & ((sh.view(np.int64) & 1) == 0), odd, sh).astype(np.float32)
+            acc = new
+        out[rows] = acc
