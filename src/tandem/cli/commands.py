@@ -356,7 +356,7 @@ def synth(args: argparse.Namespace) -> int:
     try:
         r = synthesize(
             args.like, Path(args.outfile), layers=args.layers, quant=args.quant, seed=args.seed,
-            overwrite=args.overwrite, progress=progress if sys.stderr.isatty() else None,
+            overwrite=args.overwrite, progress=progress if sys.stderr.isatty() else None, routing=args.routing,
         )  # fmt: skip
     finally:
         if shown:  # end the progress line, also before an error message
@@ -367,6 +367,10 @@ def synth(args: argparse.Namespace) -> int:
         f"{r.plan.n_params / 1e9:.2f}B parameters, {r.file_bytes / 2**30:.2f} GiB "
         f"in {r.seconds:.1f} s ({rate:.0f} MB/s)"
     )
+    if r.routing:
+        top = sum(float(f.target.max()) for f in r.routing) / len(r.routing)
+        print(f"routing {r.plan.routing}: {len(r.routing)} routers fitted (the hottest expert of a layer is in "
+              f"{top:.0%} of the tokens' picks)")  # fmt: skip
     return 0
 
 

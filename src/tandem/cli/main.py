@@ -220,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--layers", type=int, default=None, help="keep only the first N layers (default: all)")
     synth.add_argument("--quant", default="Q4_K_M", help="type mix: Q4_K_M (default), Q8_0 or F16")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synth.add_argument(
+        "--routing",
+        default="uniform",
+        metavar="SPEC",
+        help="expert popularity: uniform (the random routers, default) or zipf:S (per layer, an expert of rank r "
+        "takes a share of the routing proportional to r**-S; the routers are fitted on a CPU run of the model)",
+    )
     synth.add_argument("--overwrite", action="store_true", help="replace an existing output file")
 
     bench = sub.add_parser("bench", help="prefill and decode tokens/s, peak memory; --compare llamacpp")

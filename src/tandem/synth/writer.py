@@ -26,6 +26,14 @@ from tandem.synth.blocks import BlockPool, small_values
 from tandem.synth.layout import TensorSpec, metadata, tensors
 from tandem.synth.presets import Preset, SynthError, get_preset
 from tandem.synth.quantmix import MIXES, check_mix, choose_types, tensor_nbytes
+from tandem.synth.routing import (
+    ROUTER_BIAS_SUFFIX,
+    LayerFit,
+    RoutingSpec,
+    calibrate_routers,
+    offset_embeddings,
+    parse_routing,
+)
 from tandem.synth.vocab import tokenizer_metadata
 
 ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT
@@ -51,6 +59,7 @@ class SynthPlan:
     mix: str
     metadata: dict[str, Any]
     tensors: list[PlannedTensor]
+    routing: RoutingSpec = RoutingSpec()
 
     @property
     def data_bytes(self) -> int:
@@ -70,15 +79,20 @@ class SynthResult:
     file_bytes: int
     seconds: float
     header_bytes: int
+    routing: tuple[LayerFit, ...] = ()  # with skewed routing: each layer's target and fitted expert popularity
 
 
 def _pad(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-def plan_model(like: str | Preset, layers: int | None = None, quant: str = "Q4_K_M") -> SynthPlan:
-    """The plan of a synthetic model: preset, layer count (default: the real one), quant mix (Q4_K_M/Q8_0/F16)."""
+def plan_model(
+    like: str | Preset, layers: int | None = None, quant: str = "Q4_K_M", routing: str | RoutingSpec = "uniform"
+) -> SynthPlan:
+    """The plan of a synthetic model: preset, layer count (default: the real one), quant mix (Q4_K_M/Q8_0/F16),
+    routing (`uniform`: the random routers; `zipf:S`: fitted after writing, tandem.synth.routing)."""
     p = get_preset(like) if isinstance(like, str) else like
+    spec = parse_routing(routing) if isinstance(routing, str) else routing
     n_layers = p.check_layers(layers)
     mix = check_mix(quant)
     specs = tensors(p, n_layers)
@@ -90,10 +104,11 @@ def plan_model(like: str | Preset, layers: int | None = None, quant: str = "Q4_K
         "general.description": f"tandem synth: random weights with the shapes of {p.name} ({p.source})",
         "general.file_type": int(MIXES[mix][1]),
         "general.quantization_version": gguf.GGML_QUANT_VERSION,
+        **({"tandem.synth.routing": str(spec)} if spec.skewed else {}),
         **metadata(p, n_layers),
         **tokenizer_metadata(p),
     }
-    return SynthPlan(preset=p, n_layers=n_layers, mix=mix, metadata=md, tensors=planned)
+    return SynthPlan(preset=p, n_layers=n_layers, mix=mix, metadata=md, tensors=planned, routing=spec)
 
 
 def _string(text: str) -> bytes:
@@ -150,9 +165,14 @@ def encode_header(arch: str, md: dict[str, Any], planned: list[PlannedTensor]) -
     return header + bytes(_pad(len(header)) - len(header))
 
 
-def _chunks(t: PlannedTensor, seed: int, index: int, pools: dict[Q, BlockPool]) -> Iterator[np.ndarray]:
+def _chunks(
+    t: PlannedTensor, seed: int, index: int, pools: dict[Q, BlockPool], zero_router_bias: bool = False
+) -> Iterator[np.ndarray]:
     """The bytes of tensor `t`, the `index`-th of the file: fresh values for F32, else pieces of a pool."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, index])))
+    if zero_router_bias and t.spec.name.endswith(ROUTER_BIAS_SUFFIX):  # a fitted router is the whole bias
+        yield np.zeros(t.spec.n_elements, dtype=np.float32)
+        return
     if t.qtype == Q.F32:  # norms, biases, router, special arrays: small, and their values matter
         yield small_values(t.spec, rng)
         return
@@ -169,7 +189,7 @@ def _write_data(
         if fill == "zeros":
             fh.seek(_pad(t.nbytes), os.SEEK_CUR)  # a hole: reads back as zeros
         else:
-            for piece in _chunks(t, seed, index, pools):
+            for piece in _chunks(t, seed, index, pools, zero_router_bias=plan.routing.skewed):
                 fh.write(memoryview(piece))
             fh.seek(_pad(t.nbytes) - t.nbytes, os.SEEK_CUR)  # padding to the next tensor reads as zeros
         done += _pad(t.nbytes)
@@ -186,16 +206,23 @@ def synthesize(
     overwrite: bool = False,
     fill: str = "random",
     progress: Callable[[int, int], None] | None = None,
+    routing: str | RoutingSpec = "uniform",
+    threads: int | None = None,
 ) -> SynthResult:
     """Write a random model shaped like preset `like` to `out` and return what was written.
 
     `fill="zeros"` writes all-zero tensor data as file holes (instant; valid, but every weight is 0) for
     tests that only look at the structure. `progress(done_bytes, total_bytes)` is called after each chunk.
+    `routing="zipf:S"` then fits the routers to a Zipf law of expert popularity on one CPU prefill of the written
+    model (`threads` ggml threads; tandem.synth.routing) and rewrites them in place.
     Raises SynthError subclasses (unknown preset or mix, bad layer count, existing output, I/O failure).
     """
     if fill not in ("random", "zeros"):
         raise SynthError(f"fill must be 'random' or 'zeros', got {fill!r}")
-    plan = plan_model(like, layers, quant)
+    plan = plan_model(like, layers, quant, routing)
+    if plan.routing.skewed and fill != "random":
+        raise SynthError(f"--routing {plan.routing} needs random weights (the routers are fitted on the model's "
+                         "hidden states)")  # fmt: skip
     out = Path(out)
     if out.is_dir():
         raise SynthError(f"{out}: is a directory")
@@ -210,6 +237,10 @@ def synthesize(
             fh.write(header)
             _write_data(fh, plan, seed, fill, progress)
             fh.truncate(len(header) + plan.data_bytes)  # a trailing hole still needs its length
+        fits = []
+        if plan.routing.skewed:
+            offset_embeddings(tmp, seed)
+            fits = calibrate_routers(tmp, plan.routing, seed, threads)
         os.replace(tmp, out)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
@@ -217,4 +248,4 @@ def synthesize(
             raise SynthError(f"{out}: cannot write ({e.strerror or e})") from None
         raise
     size = out.stat().st_size
-    return SynthResult(out, plan, size, time.perf_counter() - start, len(header))
+    return SynthResult(out, plan, size, time.perf_counter() - start, len(header), tuple(fits))
