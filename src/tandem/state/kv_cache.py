@@ -186,12 +186,18 @@ class KVCache:
     tokens: list[int] = field(default_factory=list)
     checkpoints: list[tuple[int, list[Any]]] = field(default_factory=list)  # (length, recurrent snapshots)
 
+    _recurrent_layers: list[Any] | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def has_recurrent(self) -> bool:
-        return any(isinstance(layer, RecurrentState) for layer in self.layers)
+        return bool(self._recurrent())
 
     def _recurrent(self) -> list[RecurrentState]:
-        return [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        # found once (the layers are the pool's, fixed): an isinstance check against a runtime-checkable Protocol
+        # costs tens of microseconds per layer, and this runs twice per step
+        if self._recurrent_layers is None:
+            self._recurrent_layers = [layer for layer in self.layers if isinstance(layer, RecurrentState)]
+        return self._recurrent_layers
 
     def check_order(self) -> None:
         """Before a step: every recurrent state holds exactly the cache's positions (a step that failed halfway,

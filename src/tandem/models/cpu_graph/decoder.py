@@ -17,6 +17,7 @@ heads, N = a sequence's rows, S = the keys it reads, F = the MLP's width, V = vo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,10 @@ KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV v
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
 # ggml's gated units for the MLP's activation (layers/activations.py: the values of the layer path's)
 _GLU = {ACTIVATIONS["gelu_tanh_ggml"]: ggml.ggml_geglu_split, ACTIVATIONS["silu"]: ggml.ggml_swiglu_split}
+# The cache types the graphs store into (the values rounded to them once, as the layer path stores them)
+_CACHE_TYPES = {torch.float16: ggml.GGML_TYPE_F16, torch.bfloat16: ggml.GGML_TYPE_BF16,
+                torch.float32: ggml.GGML_TYPE_F32}  # fmt: skip
+_GELU_TANH = ACTIVATIONS["gelu_tanh"]  # the formula (float files): composed from ggml's ops
 
 
 def unsupported(model: DecoderModel, pool: StatePool) -> str | None:
@@ -54,6 +59,8 @@ def unsupported(model: DecoderModel, pool: StatePool) -> str | None:
         return "the model does not compute on the CPU"
     if model.embed.kernels is None or not isinstance(model.output, GGMLLinear):
         return "the embedding table or output head is not read by ggml"
+    if getattr(model, "reduce", None) is not None:
+        return "tensor parallel ranks"
     for i, (block, layer_pool) in enumerate(zip(model.blocks, pool.layers, strict=True)):
         reason = _block_unsupported(block, layer_pool)
         if reason is not None:
@@ -74,13 +81,14 @@ def _block_unsupported(block: object, pool: object) -> str | None:
         return "attention projections not read by ggml"
     if m.rope.spec.yarn is not None or m.rope.spec.freq_factors is not None:
         return "YaRN or rope frequency factors"
-    if pool.k.dtype is not torch.float16 or pool.window is not None:
-        return f"a {pool.k.dtype} cache (the graphs round as llama.cpp's f16 cache)"
-    if s.head_dim % 16 or s.value_dim % 4:  # llama.cpp's several-row products leave tinyBLAS (attention.py)
-        return f"head size {s.head_dim}/{s.value_dim}"
+    if pool.k.dtype not in _CACHE_TYPES or pool.window is not None:
+        return f"a {pool.k.dtype} cache"
+    if pool.k.dtype is torch.float16 and (s.head_dim % 16 or s.value_dim % 4):
+        return f"head size {s.head_dim}/{s.value_dim} with an f16 cache (layers/attention.py emulates its sums)"
     ffn = block.ffn
     if isinstance(ffn, GatedMLP):
-        if ffn.act not in _GLU or not all(isinstance(p, GGMLLinear) for p in (ffn.gate, ffn.up, ffn.down)):
+        known = ffn.act in _GLU or ffn.act is _GELU_TANH
+        if not known or not all(isinstance(p, GGMLLinear) for p in (ffn.gate, ffn.up, ffn.down)):
             return "an MLP ggml does not compute as the layer path does"
         return None
     if isinstance(ffn, MoE):
@@ -298,11 +306,12 @@ class _StepBuilder:
     def _cache_leaves(self, c: CacheCopies) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Leaves on the pool's f16 K and V rows [G*Hd, N*R], its float32 keys [G*Hd, N*C] and transposed values
         (one value per row, [1, N*G*Dv*C]): what the stores write and the attention's views read."""
-        b, f16, f32 = self.b, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32
+        b, f32 = self.b, ggml.GGML_TYPE_F32
         n, r, g, d = c.pool.k.shape
         dv = c.pool.v.shape[-1]
-        return (b.leaf(f16, (g * d, n * r), c.pool.k.data_ptr(), c.pool.k),
-                b.leaf(f16, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
+        gtype = _CACHE_TYPES[c.pool.k.dtype]
+        return (b.leaf(gtype, (g * d, n * r), c.pool.k.data_ptr(), c.pool.k),
+                b.leaf(gtype, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
                 b.leaf(f32, (g * d, n * c.rows32), c.k32.data_ptr(), c.k32),
                 b.leaf(f32, (1, c.vt32.numel()), c.vt32.data_ptr(), c.vt32))  # fmt: skip
 
@@ -314,7 +323,8 @@ class _StepBuilder:
         v = self._linear(m.v, h)  # [G*Dv, T]
         q, k = self._norm_rope(q, m.q_norm, m), self._norm_rope(k, m.k_norm, m)
         self._store(i, k, v, g, dv)
-        scale_queries, kq_scale = query_scaling(s.scale)
+        f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
+        scale_queries, kq_scale = query_scaling(s.scale) if f16 else (False, s.scale)
         kind = self.kinds[self.windows[i]]
         outs = []
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
@@ -322,14 +332,15 @@ class _StepBuilder:
             qs = ggml.ggml_view_3d(ctx, q, hd, nh, seq.n, nb1, nb2, seq.offset * nb2)  # the sequence's rows
             if scale_queries:
                 qs = ggml.ggml_scale(ctx, qs, s.scale)
-            # [Hd, N, H], rounded to f16 as llama.cpp's f16 product converts its queries
-            qs = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, ggml.ggml_permute(ctx, qs, 0, 2, 1, 3), ggml.GGML_TYPE_F16),
-                                ggml.GGML_TYPE_F32)  # fmt: skip
+            qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
+            # contiguous; with an f16 cache rounded to f16, as llama.cpp's f16 product converts its queries
+            qs = self._f16(qs) if f16 else ggml.ggml_cont(ctx, qs)
             first, n_keys = seq.views[kind]
             keys, values_t = self._cache_views(i, seq.slot, first, n_keys, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
             kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[j][kind], float(kq_scale), 0.0)
-            kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), ggml.GGML_TYPE_F32)
+            if f16:  # the probabilities too
+                kq = self._f16(kq)
             out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
             out = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # [Dv, H, N]
             outs.append(ggml.ggml_reshape_2d(ctx, out, dv * nh, seq.n))
@@ -337,6 +348,10 @@ class _StepBuilder:
             pairs = [ggml.ggml_concat(ctx, a, b, 1) for a, b in zip(outs[0::2], outs[1::2], strict=False)]
             outs = pairs + ([outs[-1]] if len(outs) % 2 else [])
         return self._linear(m.o, outs[0])  # [D, T]
+
+    def _f16(self, x: Tensor) -> Tensor:
+        """x's values rounded to f16, as a contiguous float32 tensor."""
+        return ggml.ggml_cast(self.ctx, ggml.ggml_cast(self.ctx, x, ggml.GGML_TYPE_F16), ggml.GGML_TYPE_F32)
 
     def _norm_rope(self, x: Tensor, norm: torch.Tensor | None, m: Attention) -> Tensor:
         ctx = self.ctx
@@ -351,13 +366,18 @@ class _StepBuilder:
         now (the attention reads the cache, not these nodes)."""
         ctx, b, t = self.ctx, self.b, self.key.n_tokens
         k16, v16, k32, vt32 = self.cache_leaves[i]
-        f16, f32 = ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32
-        k = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, _flat(ctx, k, t), f16), f32)  # [G*Hd, T], f16 values
-        v = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, v, f16), f32)
+        k, v = self._rounded(_flat(ctx, k, t), i), self._rounded(v, i)  # [G*Hd, T], [G*Dv, T]: the cache's values
         b.expand(ggml.ggml_set_rows(ctx, k16, k, self.rows16))
         b.expand(ggml.ggml_set_rows(ctx, k32, k, self.rows32))
         b.expand(ggml.ggml_set_rows(ctx, v16, v, self.rows16))
         b.expand(ggml.ggml_set_rows(ctx, vt32, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
+
+    def _rounded(self, x: Tensor, i: int) -> Tensor:
+        """x rounded to layer i's cache type, in float32."""
+        gtype = _CACHE_TYPES[self.caches[i].pool.k.dtype]
+        if gtype == ggml.GGML_TYPE_F32:
+            return x
+        return ggml.ggml_cast(self.ctx, ggml.ggml_cast(self.ctx, x, gtype), ggml.GGML_TYPE_F32)
 
     def _cache_views(
         self, i: int, slot: int, first: int, n_keys: int, g: int, hd: int, dv: int
@@ -378,7 +398,11 @@ class _StepBuilder:
         kernel, which ggml 0.15.3 lacks, the graph ends before that product, the host computes it
         (quant/ggml_tiled.py) and the next graph starts from its result and x."""
         ctx = self.ctx
-        hidden = _GLU[mlp.act](ctx, self._linear(mlp.gate, h), self._linear(mlp.up, h))  # [F, T]
+        gate, up = self._linear(mlp.gate, h), self._linear(mlp.up, h)
+        if mlp.act is _GELU_TANH:
+            hidden = ggml.ggml_mul(ctx, _gelu_tanh(ctx, gate), up)  # [F, T]
+        else:
+            hidden = _GLU[mlp.act](ctx, gate, up)
         down = mlp.down
         assert isinstance(down, GGMLLinear)
         rows = int(hidden.contents.ne[1])
@@ -417,6 +441,14 @@ class _StepBuilder:
             w[name] = self.b.weight(value) if isinstance(value, GGMLWeight) else self.b.leaf(gtype, ne, ptr, value)
         out = expert_ffn_nodes(ctx, ffn, w, ggml.ggml_reshape_3d(ctx, h, int(h.contents.ne[0]), 1, t), ids, mix)
         return ggml.ggml_reshape_2d(ctx, out, int(out.contents.ne[0]), t)  # [D, T]
+
+
+def _gelu_tanh(ctx: int, x: Tensor) -> Tensor:
+    """0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the formula transformers computes (ggml's own GELU reads
+    its f16 table)."""
+    inner = ggml.ggml_add(ctx, x, ggml.ggml_scale(ctx, ggml.ggml_mul(ctx, ggml.ggml_mul(ctx, x, x), x), 0.044715))
+    t = ggml.ggml_tanh(ctx, ggml.ggml_scale(ctx, inner, math.sqrt(2.0 / math.pi)))
+    return ggml.ggml_mul(ctx, x, ggml.ggml_scale_bias(ctx, t, 0.5, 0.5))
 
 
 def _flat(ctx: int, x: Tensor, t: int) -> Tensor:
