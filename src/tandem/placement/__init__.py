@@ -1,5 +1,6 @@
 """The placement plan: which device holds each tensor of the file. Every path obeys it."""
 
+from tandem.placement.experts import ExpertCache
 from tandem.placement.plan import (
     PlacementPlan,
     RuntimeShape,
@@ -11,8 +12,11 @@ from tandem.placement.plan import (
     streamable,
 )
 from tandem.placement.request import PlacementRequest
+from tandem.placement.stats import ExpertStats
 
 __all__ = [
+    "ExpertCache",
+    "ExpertStats",
     "PlacementPlan",
     "PlacementRequest",
     "RuntimeShape",

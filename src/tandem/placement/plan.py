@@ -8,9 +8,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tandem.errors import PlacementError, TandemError
 from tandem.gguf import GGUFFile, TensorInfo
 from tandem.models.config import ModelConfig
+from tandem.placement.experts import ExpertCache, LayerExperts, layer_experts, select_experts
 from tandem.placement.request import PlacementRequest
 from tandem.quant.types import CUBLAS_WORKSPACE_BYTES, GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES, STAGING_SLOT_BYTES
 
@@ -52,6 +55,9 @@ class PlacementPlan:
     staging_bytes: int  # bounded GPU window for streaming CPU experts during prefill (see StagingSize)
     cpu_expert_layers: tuple[int, ...]
     notes: tuple[str, ...] = field(default=())
+    # Experts of CPU layers also kept in VRAM (--moe-cache, --gpu-memory): their tensors stay "cpu" above, and
+    # only these experts' rows are uploaded (weights/loader.py).
+    expert_cache: ExpertCache = field(default_factory=ExpertCache)
 
     def device_of(self, name: str) -> str:
         return self.devices[name]
@@ -61,11 +67,14 @@ class PlacementPlan:
         return self.request.device
 
     def gpu_bytes(self, device: str | None = None) -> int:
-        """Expected VRAM on `device` (default: the compute device): weights + KV + workspace + staging."""
+        """Expected VRAM on `device` (default: the compute device): weights + cached experts + KV + workspace +
+        staging."""
         device = device or self.compute_device
         if device == "cpu":
             return 0
-        extra = self.kv_bytes + self.workspace_bytes + self.staging_bytes if device == self.compute_device else 0
+        extra = 0
+        if device == self.compute_device:
+            extra = self.kv_bytes + self.workspace_bytes + self.staging_bytes + self.expert_cache.bytes
         return self.weight_bytes.get(device, 0) + extra
 
     def to_dict(self) -> dict[str, object]:
@@ -76,6 +85,7 @@ class PlacementPlan:
                 "n_cpu_moe": self.request.n_cpu_moe,
                 "override_tensor": [f"{p}={d}" for p, d in self.request.override_tensor],
                 "gpu_memory": self.request.gpu_memory,
+                "moe_cache": self.request.moe_cache,
                 "tp": self.request.tp,
                 "n_gpu_layers": self.request.n_gpu_layers,
             },
@@ -85,6 +95,7 @@ class PlacementPlan:
             "staging_bytes": self.staging_bytes,
             "expected_gpu_bytes": self.gpu_bytes() if self.compute_device != "cpu" else 0,
             "cpu_expert_layers": list(self.cpu_expert_layers),
+            "expert_cache": self.expert_cache.to_dict(),
             "notes": list(self.notes),
             "tensors": self.devices,
         }
@@ -178,19 +189,32 @@ def _check_whole_expert_layers(devices: dict[str, str]) -> None:
 
 
 def plan_placement(
-    f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, shape: RuntimeShape | None = None
+    f: GGUFFile,
+    cfg: ModelConfig,
+    req: PlacementRequest,
+    shape: RuntimeShape | None = None,
+    expert_counts: np.ndarray | None = None,
+    counts_label: str = "",
 ) -> PlacementPlan:
-    """Compute and validate the plan. Raises PlacementError (one line, naming the flag) if impossible."""
+    """Compute and validate the plan. Raises PlacementError (one line, naming the flag) if impossible.
+
+    `expert_counts` [n_layers, n_experts] (routing statistics, `counts_label` naming them) decide which experts
+    --moe-cache and --gpu-memory keep in VRAM; without them the choice is as for uniform routing."""
     shape = shape or RuntimeShape()
     devices, _ = _assign(f, req, cfg)
     on_gpu = req.device != "cpu"
     kv = kv_cache_bytes(cfg, shape) if on_gpu else 0
     work = workspace_bytes(cfg, shape) if on_gpu else 0
     notes: list[str] = []
-    if req.gpu_memory is not None:
-        devices, note = _fit_budget(f, cfg, req, devices, kv + work)
-        notes.append(note)
     _check_whole_expert_layers(devices)
+    cache = ExpertCache()
+    if req.moe_cache is not None:
+        devices, cache, note = _fill_moe_cache(f, cfg, req, devices, expert_counts, counts_label)
+        notes.append(note)
+    if req.gpu_memory is not None:
+        devices, more, note = _fit_budget(f, cfg, req, devices, kv + work + cache.bytes, expert_counts, counts_label)
+        cache = cache.merged(more)
+        notes.append(note)
     weight_bytes: dict[str, int] = {}
     for name, device in devices.items():
         weight_bytes[device] = weight_bytes.get(device, 0) + f.tensors[name].n_bytes
@@ -205,6 +229,7 @@ def plan_placement(
         staging_bytes=staging,
         cpu_expert_layers=tuple(cpu_layers),
         notes=tuple(notes),
+        expert_cache=cache,
     )
 
 
@@ -266,28 +291,95 @@ def _staging_bytes(f: GGUFFile, devices: dict[str, str]) -> int:
     return staging_size(cpu_experts_by_layer(f, devices)).total
 
 
+def _candidates(f: GGUFFile, layers: Sequence[int]) -> list[LayerExperts]:
+    """The selection's view of these layers' routed experts."""
+    by_layer: dict[int, list[TensorInfo]] = {}
+    for name, info in f.tensors.items():
+        if (layer := expert_layer(name)) is not None and layer in layers:
+            by_layer.setdefault(layer, []).append(info)
+    return [layer_experts(layer, infos, streamable(infos)) for layer, infos in sorted(by_layer.items())]
+
+
+def _source(sel_partial: dict[int, tuple[int, ...]], counts: np.ndarray | None, label: str) -> str:
+    if not sel_partial:
+        return ""
+    if counts is not None and counts.sum() > 0:
+        return f"the most picked by {label or 'the routing statistics'}"
+    return "no routing statistics: the lowest expert ids (give --expert-stats FILE to place by use)"
+
+
+def _apply(devices: dict[str, str], full: frozenset[int], gpu: str) -> dict[str, str]:
+    return {n: (gpu if (layer := expert_layer(n)) is not None and layer in full else d) for n, d in devices.items()}
+
+
+def _cache_note(flag: str, full: frozenset[int], cache: ExpertCache, n_layers: int, policy: str) -> str:
+    parts = []
+    if full:
+        parts.append(f"the experts of {len(full)} layer(s) in VRAM whole")
+    if cache.layers:
+        n = sum(len(ids) for ids in cache.layers.values())
+        parts.append(
+            f"{n} single experts of {len(cache.layers)} layer(s) cached in VRAM ({cache.bytes / 2**30:.2f} GiB; "
+            f"{cache.source})"
+        )
+    if not parts:
+        parts.append("no expert fits")
+    return f"{flag}: " + ", ".join(parts) + f", {policy}; the rest of the {n_layers} layers' experts in host RAM"
+
+
+def _fill_moe_cache(
+    f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, devices: dict[str, str], counts: np.ndarray | None,
+    label: str,
+) -> tuple[dict[str, str], ExpertCache, str]:  # fmt: skip
+    """--moe-cache SIZE: VRAM for the experts of the layers the flags keep in host RAM, filled per expert."""
+    size = req.moe_cache
+    assert size is not None and cfg.moe is not None or not devices
+    cpu_layers = sorted({layer for n, d in devices.items() if d == "cpu" and (layer := expert_layer(n)) is not None})
+    flag = f"--moe-cache {size / 2**30:.2f} GiB"
+    if not cpu_layers:
+        raise PlacementError(
+            f"{flag}: no routed experts are in host RAM to cache; add --cpu-moe, --n-cpu-moe N or -ot, "
+            "or give --gpu-memory alone"
+        )
+    assert cfg.moe is not None and size is not None
+    cands = _candidates(f, cpu_layers)
+    sel = select_experts(cands, size, counts, cfg.moe.n_active)
+    cache = ExpertCache(sel.partial, {c.layer: c.expert_bytes for c in cands if c.layer in sel.partial},
+                        _source(sel.partial, counts, label))  # fmt: skip
+    return _apply(devices, sel.full, req.device), cache, _cache_note(flag, sel.full, cache, len(cands), sel.policy)
+
+
 def _fit_budget(
-    f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, devices: dict[str, str], runtime_bytes: int
-) -> tuple[dict[str, str], str]:
-    """Move the experts of layers 0..N-1 to the CPU for the smallest N that fits --gpu-memory."""
+    f: GGUFFile, cfg: ModelConfig, req: PlacementRequest, devices: dict[str, str], runtime_bytes: int,
+    counts: np.ndarray | None = None, label: str = "",
+) -> tuple[dict[str, str], ExpertCache, str]:  # fmt: skip
+    """--gpu-memory: if everything planned on the GPU fits, keep it; else the experts of the layers the flags put
+    on the GPU go to host RAM, and the VRAM left after every other weight, the KV cache, the workspace and the
+    staging window is filled with whole layers' experts or single experts (placement/experts.py)."""
     budget = req.gpu_memory
     assert budget is not None
     gpu = req.device
+    flag = f"--gpu-memory {budget / 2**30:.2f} GiB"
 
     def gpu_total(candidate: dict[str, str]) -> int:
         weights = sum(f.tensors[n].n_bytes for n, d in candidate.items() if d == gpu)
         return weights + runtime_bytes + _staging_bytes(f, candidate)
 
-    for n_cpu in range(cfg.n_layers + 1):
-        candidate = {
-            n: ("cpu" if d == gpu and (layer := expert_layer(n)) is not None and layer < n_cpu else d)
-            for n, d in devices.items()
-        }
-        if gpu_total(candidate) <= budget:
-            where = f"experts of layers 0..{n_cpu - 1} on the CPU" if n_cpu else "every expert fits on the GPU"
-            return candidate, f"--gpu-memory {budget / 2**30:.2f} GiB: {where}"
-    need = gpu_total({n: ("cpu" if expert_layer(n) is not None else d) for n, d in devices.items()})
-    raise PlacementError(
-        f"--gpu-memory {budget / 2**30:.2f} GiB cannot hold even the non-expert weights, KV cache and workspace "
-        f"({need / 2**30:.2f} GiB); raise --gpu-memory, lower -c/--ctx-size, or use more GPUs"
-    )
+    if gpu_total(devices) <= budget:
+        return devices, ExpertCache(), f"{flag}: every expert planned on the GPU fits"
+    movable = sorted({layer for n, d in devices.items() if d == gpu and (layer := expert_layer(n)) is not None})
+    base = {n: ("cpu" if d == gpu and expert_layer(n) is not None else d) for n, d in devices.items()}
+    need = gpu_total(base)
+    if need > budget or not movable:
+        raise PlacementError(
+            f"{flag} cannot hold even the non-expert weights, KV cache and workspace "
+            f"({need / 2**30:.2f} GiB); raise --gpu-memory, lower -c/--ctx-size, or use more GPUs"
+        )
+    assert cfg.moe is not None
+    cands = _candidates(f, movable)
+    sel = select_experts(cands, budget - need, counts, cfg.moe.n_active)
+    out = _apply(base, sel.full, gpu)
+    cache = ExpertCache(sel.partial, {c.layer: c.expert_bytes for c in cands if c.layer in sel.partial},
+                        _source(sel.partial, counts, label))  # fmt: skip
+    assert gpu_total(out) + cache.bytes <= budget, (gpu_total(out), cache.bytes, budget)
+    return out, cache, _cache_note(flag, sel.full, cache, len(cands), sel.policy)

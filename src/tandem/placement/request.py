@@ -25,12 +25,12 @@ _SIZE_UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--gpu-memory") -> int:
     """'24GiB', '20GB', '1.5g', '1073741824' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _SIZE_UNITS:
-        raise PlacementError(f"--gpu-memory: cannot read '{text}' as a size (e.g. 24GiB, 20GB, 8000MiB)")
+        raise PlacementError(f"{flag}: cannot read '{text}' as a size (e.g. 24GiB, 20GB, 8000MiB)")
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -61,7 +61,7 @@ def parse_override(text: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """What the user asked for: --device, --cpu-moe, --n-cpu-moe, -ot, --gpu-memory, --tp, -ngl."""
+    """What the user asked for: --device, --cpu-moe, --n-cpu-moe, -ot, --gpu-memory, --tp, -ngl, --moe-cache."""
 
     device: str = "cpu"
     cpu_moe: bool = False
@@ -72,6 +72,7 @@ class PlacementRequest:
     # llama.cpp's -ngl, accepted for its command lines: tandem keeps the layers on one device (the model's
     # layer count or more, or < 0: the GPU; 0: the CPU); plan_placement refuses a split.
     n_gpu_layers: int | None = None
+    moe_cache: int | None = None  # bytes of VRAM for single experts of the layers kept in host RAM (--moe-cache)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", normalize_device(self.device, "--device"))
@@ -94,6 +95,10 @@ class PlacementRequest:
                 f"-ngl {self.n_gpu_layers} asks for the layers on a GPU, but the device is cpu "
                 "(no GPU visible, or --device cpu): use --device cuda, or -ngl 0"
             )
+        if self.moe_cache is not None and self.moe_cache <= 0:
+            raise PlacementError(f"--moe-cache must be positive, got {self.moe_cache}")
+        if self.device == "cpu" and self.moe_cache is not None:
+            raise PlacementError("--moe-cache keeps experts in VRAM: it needs a GPU device (--device cuda)")
 
     @classmethod
     def from_flags(
@@ -105,13 +110,15 @@ class PlacementRequest:
         gpu_memory: str | int | None = None,
         tp: int = 1,
         n_gpu_layers: int | None = None,
+        moe_cache: str | int | None = None,
     ) -> PlacementRequest:
         """Build from CLI/API values (override strings 'REGEX=DEVICE', sizes as text or bytes)."""
         overrides = tuple(parse_override(o) for o in (override_tensor or ()))
         budget = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+        cache = parse_size(moe_cache, "--moe-cache") if isinstance(moe_cache, str) else moe_cache
         return cls(
             device=device, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, override_tensor=overrides, gpu_memory=budget, tp=tp,
-            n_gpu_layers=n_gpu_layers,
+            n_gpu_layers=n_gpu_layers, moe_cache=cache,
         )  # fmt: skip
 
     @property

@@ -1,0 +1,170 @@
+"""Which routed experts get VRAM: whole layers, or single experts of a layer whose tensors stay in host RAM.
+
+A layer of experts in host RAM costs each decode token the experts it picks there (ggml reads each from host
+memory: ~47 us for a Qwen3-30B-A3B Q4_K expert at 55 GB/s) plus one host round trip (~20 us). An expert cached in
+VRAM saves its share of the picks; a whole layer in VRAM also saves the round trip. The selection takes the
+experts (and whole layers) that save the most per byte, by the routing statistics when there are some
+(`--expert-stats`) and as if routing were uniform otherwise, and keeps the cheaper of two fills of the same budget:
+expert by expert, or whole layers first and single experts in what is left. With uniform routing the second wins
+(the same picks saved, fewer round trips); with skewed routing the first does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.gguf import TensorInfo
+
+# A host round trip, in units of one expert computed on the CPU (decode, Qwen3-30B-A3B on the H200 host:
+# ~20 us against ~47 us).
+HOST_LAYER_COST = 0.4
+
+
+@dataclass(frozen=True)
+class ExpertCache:
+    """Per layer whose expert tensors the plan keeps in host RAM, the experts also kept in VRAM (sorted ids), and
+    the VRAM one expert of that layer takes (its rows of every expert matrix, its entries of the expert vectors)."""
+
+    layers: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    expert_bytes: Mapping[int, int] = field(default_factory=dict)
+    source: str = ""  # what chose the ids: the statistics, or the default
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(ids) * self.expert_bytes[layer] for layer, ids in self.layers.items())
+
+    def resident(self, layer: int) -> tuple[int, ...]:
+        return tuple(self.layers.get(layer, ()))
+
+    def merged(self, other: ExpertCache) -> ExpertCache:
+        if not other.layers:
+            return self
+        if not self.layers:
+            return other
+        assert not set(self.layers) & set(other.layers), "a layer's cache is chosen once"
+        source = self.source if self.source == other.source else f"{self.source}; {other.source}"
+        return ExpertCache({**self.layers, **other.layers}, {**self.expert_bytes, **other.expert_bytes}, source)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "bytes": self.bytes,
+            "source": self.source,
+            "experts_per_layer": {str(layer): len(ids) for layer, ids in sorted(self.layers.items())},
+            "experts": {str(layer): list(ids) for layer, ids in sorted(self.layers.items())},
+        }
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """One layer's routed experts as the selection sees them."""
+
+    layer: int
+    n_experts: int
+    layer_bytes: int  # every expert tensor of the layer
+    expert_bytes: int  # one expert's share (layer_bytes / n_experts, rounded up)
+    splittable: bool  # single experts can be cached (the GPU kernels read the matrices' type)
+
+
+def layer_experts(layer: int, infos: Sequence[TensorInfo], splittable: bool) -> LayerExperts:
+    n = infos[0].shape[0]
+    total = sum(i.n_bytes for i in infos)
+    per = sum(-(-i.n_bytes // i.shape[0]) for i in infos)
+    return LayerExperts(layer, n, total, per, splittable)
+
+
+@dataclass(frozen=True)
+class Selection:
+    full: frozenset[int]  # layers whose experts all go to VRAM (the plan moves their tensors there)
+    partial: dict[int, tuple[int, ...]]  # layer -> cached expert ids
+    bytes: int
+    cost: float  # per decode token, in experts computed on the CPU (host round trips included)
+    policy: str  # "per expert" or "whole layers first"
+
+
+def popularity_table(
+    counts: np.ndarray | None, layers: Sequence[LayerExperts], n_active: int
+) -> dict[int, np.ndarray]:
+    """Per layer, each expert's expected picks per token (summing to n_active): from `counts` [n_layers, E] where
+    the layer has any, else uniform."""
+    out = {}
+    for c in layers:
+        row = None if counts is None or c.layer >= len(counts) else np.asarray(counts[c.layer], dtype=np.float64)
+        if row is None or row.shape != (c.n_experts,) or row.sum() <= 0:
+            out[c.layer] = np.full(c.n_experts, n_active / c.n_experts)
+        else:
+            out[c.layer] = row / row.sum() * n_active
+    return out
+
+
+def _cost(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], full: set[int],
+          partial: Mapping[int, Sequence[int]]) -> float:  # fmt: skip
+    cost = 0.0
+    for c in layers:
+        if c.layer in full:
+            continue
+        saved = float(pop[c.layer][list(partial.get(c.layer, ()))].sum())
+        cost += float(pop[c.layer].sum()) - saved + HOST_LAYER_COST
+    return cost
+
+
+def _fill_experts(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], budget: int,
+                  taken: dict[int, list[int]]) -> int:  # fmt: skip
+    """Add single experts of the splittable layers to `taken`, most picks per byte first, while they fit `budget`;
+    returns the bytes added. Ties go to later layers (as whole layers do), then to lower ids."""
+    items = []
+    for c in layers:
+        if not c.splittable:
+            continue
+        have = set(taken.get(c.layer, ()))
+        for e in range(c.n_experts):
+            if e not in have:
+                items.append((-float(pop[c.layer][e]) / c.expert_bytes, -c.layer, e, c))
+    items.sort(key=lambda t: t[:3])
+    used = 0
+    for _, _, e, c in items:
+        if used + c.expert_bytes <= budget:
+            taken.setdefault(c.layer, []).append(e)
+            used += c.expert_bytes
+    return used
+
+
+def _finish(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], full: set[int],
+            taken: dict[int, list[int]], used: int, policy: str) -> Selection:  # fmt: skip
+    by_layer = {c.layer: c for c in layers}
+    partial = {}
+    for layer, ids in taken.items():
+        if len(ids) == by_layer[layer].n_experts:  # every expert cached: the whole layer goes to VRAM
+            full.add(layer)
+            used += by_layer[layer].layer_bytes - len(ids) * by_layer[layer].expert_bytes
+        elif ids:
+            partial[layer] = tuple(sorted(ids))
+    return Selection(frozenset(full), partial, used, _cost(layers, pop, full, partial), policy)
+
+
+def select_experts(
+    layers: Sequence[LayerExperts], budget: int, counts: np.ndarray | None, n_active: int
+) -> Selection:
+    """The cheaper of two fills of `budget` bytes over `layers` (see the module docstring)."""
+    pop = popularity_table(counts, layers, n_active)
+    budget = max(0, budget)
+    # expert by expert (a layer whose experts all fit comes out whole)
+    taken: dict[int, list[int]] = {}
+    per_expert = _finish(layers, pop, set(), taken, _fill_experts(layers, pop, budget, taken), "per expert")
+    # whole layers first (later layers first, as --gpu-memory always did), then single experts
+    full: set[int] = set()
+    used = 0
+    for c in sorted(layers, key=lambda c: -c.layer):
+        if used + c.layer_bytes <= budget:
+            full.add(c.layer)
+            used += c.layer_bytes
+    rest = [c for c in layers if c.layer not in full]
+    taken = {}
+    used += _fill_experts(rest, pop, budget - used, taken)
+    whole_first = _finish(layers, pop, full, taken, used, "whole layers first")
+    # equal costs: more whole layers (fewer host ops to launch); the same selection: "per expert"
+    best = min((per_expert, whole_first), key=lambda s: (round(s.cost, 9), -len(s.full), s.policy != "per expert"))
+    assert best.bytes <= budget, (best.bytes, budget)
+    return best

@@ -1,0 +1,126 @@
+"""Routing statistics: how often each routed expert of each layer was picked (`--expert-stats FILE`).
+
+Counted on the GPU from every step's top-k (layers/moe.py `RoutingCounts`), added to what the file held at the
+start, and written back when the model closes; the next start places the hottest experts in VRAM from them
+(placement/plan.py). A file belongs to one model's routers: its fingerprint hashes the architecture, the expert
+counts and each router's name, shape, type and bytes (a sample of them), so the same model in another
+quantization matches (its routers are F32 in every llama.cpp mix) and another model does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tandem.errors import TandemError
+from tandem.gguf import GGUFFile
+from tandem.models.config import ModelConfig
+
+FORMAT = "tandem-expert-stats"
+VERSION = 1
+ROUTER_SUFFIXES = (".ffn_gate_inp.weight", ".ffn_gate_inp.bias")
+SAMPLE_BYTES = 1 << 16  # of each router tensor, from its start, middle and end
+
+
+def routing_fingerprint(f: GGUFFile, cfg: ModelConfig) -> str:
+    """A hex digest of what decides the routing: architecture, layers, experts, and the routers themselves."""
+    h = hashlib.blake2b(digest_size=16)
+    moe = cfg.moe
+    h.update(f"{f.arch}|{cfg.n_layers}|{moe.n_experts if moe else 0}|{moe.n_active if moe else 0}".encode())
+    for name in sorted(n for n in f.tensors if n.endswith(ROUTER_SUFFIXES)):
+        info = f.tensors[name]
+        h.update(f"|{name}|{info.qtype.name}|{info.shape}".encode())
+        data = info.data
+        n = data.nbytes
+        for start in {0, max(0, n // 2 - SAMPLE_BYTES // 2), max(0, n - SAMPLE_BYTES)}:
+            h.update(memoryview(np.ascontiguousarray(data[start : start + SAMPLE_BYTES])))
+    return h.hexdigest()
+
+
+@dataclass
+class ExpertStats:
+    """Picks per (layer, expert) [n_layers, n_experts] int64 (layers without routed experts: zeros)."""
+
+    counts: np.ndarray
+    fingerprint: str
+    model: str  # the model's name, for messages
+    path: Path | None = None  # where they are loaded from and saved to
+
+    @classmethod
+    def empty(cls, f: GGUFFile, cfg: ModelConfig, path: str | os.PathLike[str] | None = None) -> ExpertStats:
+        if cfg.moe is None:
+            raise TandemError(f"--expert-stats: {f.path.name} has no routed experts to count")
+        counts = np.zeros((cfg.n_layers, cfg.moe.n_experts), dtype=np.int64)
+        return cls(counts, routing_fingerprint(f, cfg), _model_name(f), None if path is None else Path(path))
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], f: GGUFFile, cfg: ModelConfig) -> ExpertStats:
+        """The statistics in `path` if it exists (they must be this model's), else empty ones saved there later."""
+        stats = cls.empty(f, cfg, path)
+        p = Path(path)
+        if not p.exists():
+            return stats
+        flag = f"--expert-stats {p}"
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TandemError(f"{flag}: cannot read it as expert statistics ({type(e).__name__}: {e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise TandemError(f"{flag}: not a tandem expert-statistics file (no \"format\": \"{FORMAT}\")")
+        if doc.get("version") != VERSION:
+            raise TandemError(f"{flag}: version {doc.get('version')!r}, this tandem reads version {VERSION}")
+        if doc.get("fingerprint") != stats.fingerprint:
+            raise TandemError(
+                f"{flag}: recorded for another model ({str(doc.get('model'))[:80]!r}, routers "
+                f"{str(doc.get('fingerprint'))[:12]}), not {stats.model!r} (routers {stats.fingerprint[:12]}); "
+                "give another file, or delete it to count afresh"
+            )
+        try:
+            counts = np.asarray(doc["counts"], dtype=np.int64)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise TandemError(f"{flag}: \"counts\" is not a table of integers") from None
+        if counts.shape != stats.counts.shape or (counts < 0).any():
+            raise TandemError(f"{flag}: counts of shape {counts.shape}, expected {stats.counts.shape}, non-negative")
+        stats.counts = counts
+        return stats
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def add(self, counts: np.ndarray) -> None:
+        self.counts = self.counts + np.asarray(counts, dtype=np.int64)
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the statistics (atomically: a temporary file renamed over the old one)."""
+        target = Path(path) if path is not None else self.path
+        if target is None:
+            raise TandemError("--expert-stats: no file to save the statistics to")
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "n_layers": int(self.counts.shape[0]),
+            "n_experts": int(self.counts.shape[1]),
+            "picks": self.total,
+            "counts": self.counts.tolist(),
+        }
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+            os.replace(tmp, target)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise TandemError(f"--expert-stats {target}: cannot write ({e.strerror or e})") from None
+        return target
+
+
+def _model_name(f: GGUFFile) -> str:
+    name = f.get("general.name")
+    return str(name) if isinstance(name, str) and name else f.path.name

@@ -1,0 +1,160 @@
+"""Per-expert placement under a budget (issue 21): the selection's math, the plan's expert cache (--moe-cache,
+--gpu-memory) chosen from routing statistics or by default, never over the budget, and the statistics file's
+checks. Dry runs: no GPU, no weights read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.convert import convert_hf
+from tandem.errors import PlacementError, TandemError
+from tandem.gguf import open_gguf
+from tandem.models import read_config
+from tandem.placement import ExpertStats, PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement.experts import HOST_LAYER_COST, LayerExperts, select_experts
+
+E, A = 8, 2  # the tiny Qwen3-MoE's experts per layer and per token
+
+
+@pytest.fixture(scope="module")
+def q8_moe(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE in Q8_0: expert matrices of a type the GPU kernels read, so single experts can be cached."""
+    return convert_hf(tiny_qwen3moe_gguf[0], tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf", "q8_0")
+
+
+def _plan(path: Path, counts: np.ndarray | None = None, **flags: object):  # type: ignore[no-untyped-def]
+    f = open_gguf(path)
+    req = PlacementRequest.from_flags(device="cuda", **flags)  # type: ignore[arg-type]
+    return f, plan_placement(f, read_config(f), req, RuntimeShape(n_ctx=256), expert_counts=counts,
+                             counts_label="test counts")  # fmt: skip
+
+
+def _layers(n: int, e: int = 16, per: int = 100, splittable: bool = True) -> list[LayerExperts]:
+    return [LayerExperts(i, e, e * per, per, splittable) for i in range(n)]
+
+
+def test_uniform_routing_fills_whole_layers_first() -> None:
+    """Without statistics every expert saves the same: whole layers save the host round trip too, later ones
+    first (as --gpu-memory always moved layers 0..N-1 off), and the rest of the budget caches single experts."""
+    sel = select_experts(_layers(4), 2 * 1600 + 5 * 100 + 50, None, A)
+    assert sel.full == {3, 2}  # (filled expert by expert with ties to later layers, the same selection)
+    assert sel.partial == {1: (0, 1, 2, 3, 4)} and sel.bytes == 2 * 1600 + 500
+    expected = 2 * (A + HOST_LAYER_COST) - 5 * A / 16  # layers 0 and 1 in host RAM, 5 of layer 1's experts cached
+    assert sel.cost == pytest.approx(expected)
+
+
+def test_skewed_routing_caches_the_hottest_experts_of_every_layer() -> None:
+    counts = np.ones((4, 16))
+    counts[:, 5] = counts[:, 9] = 200  # two hot experts per layer
+    counts[2, 1] = 500
+    sel = select_experts(_layers(4), 9 * 100, counts, A)
+    assert sel.policy == "per expert" and not sel.full
+    assert sel.partial == {0: (5, 9), 1: (5, 9), 2: (1, 5, 9), 3: (5, 9)}
+    assert sel.bytes == 900
+
+
+def test_budget_is_never_exceeded_and_a_fully_cached_layer_becomes_whole() -> None:
+    rng = np.random.default_rng(0)
+    layers = [LayerExperts(i, 8, 8 * (90 + 10 * i), 90 + 10 * i, i != 2) for i in range(5)]
+    for budget in [0, 1, 89, 90, 500, 720, 2000, 4000, 100_000]:
+        counts = rng.zipf(1.5, size=(5, 8)).astype(float)
+        for c in (None, counts):
+            sel = select_experts(layers, budget, c, A)
+            assert sel.bytes <= budget
+            assert 2 not in sel.partial  # not splittable: whole or nothing
+            assert all(0 < len(ids) < 8 for ids in sel.partial.values())
+            assert not set(sel.partial) & sel.full
+    assert select_experts(layers, 100_000, None, A).full == set(range(5))
+
+
+def test_moe_cache_beside_cpu_moe(q8_moe: Path) -> None:
+    """--cpu-moe --moe-cache: the expert tensors stay planned on the CPU; single experts take at most the size
+    given, counted in the VRAM estimate; without statistics the lowest ids, with them the most picked."""
+    f, plain = _plan(q8_moe, cpu_moe=True)
+    per_expert = sum(i.n_bytes for n, i in f.tensors.items() if expert_layer(n) == 0) // E
+    _, plan = _plan(q8_moe, cpu_moe=True, moe_cache=3 * per_expert + 7)
+    assert plan.devices == plain.devices  # the tensors stay where --cpu-moe put them
+    cache = plan.expert_cache
+    assert cache.bytes == 3 * per_expert <= 3 * per_expert + 7
+    assert sorted(len(ids) for ids in cache.layers.values()) in ([3], [1, 2])
+    assert "lowest expert ids" in cache.source
+    assert plan.gpu_bytes() == plain.gpu_bytes() + cache.bytes
+    counts = np.zeros((2, E), dtype=np.int64)
+    counts[0, [6, 7]] = 50
+    counts[1, 3] = 80
+    counts += 1
+    _, hot = _plan(q8_moe, counts, cpu_moe=True, moe_cache=3 * per_expert)
+    assert dict(hot.expert_cache.layers) == {0: (6, 7), 1: (3,)}
+    assert "test counts" in hot.expert_cache.source
+    d = hot.to_dict()
+    assert d["expert_cache"]["experts_per_layer"] == {"0": 2, "1": 1}  # type: ignore[index]
+    assert d["expert_cache"]["experts"] == {"0": [6, 7], "1": [3]}  # type: ignore[index]
+    json.dumps(d)
+    _, whole = _plan(q8_moe, cpu_moe=True, moe_cache=E * per_expert + 100)  # one layer fits whole
+    assert whole.expert_cache.bytes == 0 or len(whole.cpu_expert_layers) == 1
+    assert len(whole.cpu_expert_layers) == 1 and whole.gpu_bytes() <= plain.gpu_bytes() + E * per_expert + 100
+
+
+def test_gpu_memory_fills_with_experts_and_stays_in_budget(q8_moe: Path) -> None:
+    _, everything = _plan(q8_moe)
+    _, all_off = _plan(q8_moe, cpu_moe=True)
+    lo, hi = all_off.gpu_bytes(), everything.gpu_bytes()
+    assert lo < hi
+    counts = np.arange(2 * E, dtype=np.int64).reshape(2, E) ** 2
+    cached = []
+    for budget in np.linspace(lo, hi - 1, 9).astype(int):
+        for c in (None, counts):
+            _, plan = _plan(q8_moe, c, gpu_memory=int(budget))
+            assert plan.gpu_bytes() <= budget, (budget, plan.notes)
+            n = sum(len(ids) for ids in plan.expert_cache.layers.values()) + E * (2 - len(plan.cpu_expert_layers))
+            cached.append(n)
+            assert any(note.startswith("--gpu-memory") for note in plan.notes)
+    assert cached[0] == 0 and max(cached) >= E  # nothing at the floor, a layer or more near the top
+    _, hot = _plan(q8_moe, counts, gpu_memory=int((lo + hi) // 2))
+    for layer, ids in hot.expert_cache.layers.items():
+        assert list(ids) == list(range(E - len(ids), E)), (layer, ids)  # the most picked: the highest ids here
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"moe_cache": "1GiB"}, "no routed experts are in host RAM"),
+        ({"cpu_moe": True, "moe_cache": "lots"}, "--moe-cache: cannot read 'lots'"),
+        ({"cpu_moe": True, "moe_cache": 0}, "--moe-cache must be positive"),
+    ],
+)
+def test_moe_cache_errors(q8_moe: Path, flags: dict[str, object], message: str) -> None:
+    with pytest.raises(PlacementError, match=message):
+        _plan(q8_moe, **flags)
+    with pytest.raises(PlacementError, match="needs a GPU device"):
+        PlacementRequest.from_flags(device="cpu", cpu_moe=True, moe_cache="1GiB")
+
+
+def test_expert_stats_file_round_trip_and_mismatch(
+    q8_moe: Path, tiny_qwen3moe_gguf: tuple[Path, Path], tiny_qwen35moe_gguf: tuple[Path, Path], tmp_path: Path
+) -> None:
+    f = open_gguf(q8_moe)
+    cfg = read_config(f)
+    path = tmp_path / "stats.json"
+    stats = ExpertStats.open(path, f, cfg)  # absent: empty, saved there later
+    assert stats.total == 0 and stats.counts.shape == (2, E)
+    stats.add(np.arange(2 * E).reshape(2, E))
+    stats.save()
+    again = ExpertStats.open(path, f, cfg)
+    assert np.array_equal(again.counts, np.arange(2 * E).reshape(2, E)) and again.total == stats.total
+    f32 = open_gguf(tiny_qwen3moe_gguf[1])  # the same model in F32: the same F32 routers
+    assert np.array_equal(ExpertStats.open(path, f32, read_config(f32)).counts, again.counts)
+    other = open_gguf(tiny_qwen35moe_gguf[1])
+    with pytest.raises(TandemError, match=r"--expert-stats .*stats\.json: recorded for another model"):
+        ExpertStats.open(path, other, read_config(other))
+    path.write_text("{not json")
+    with pytest.raises(TandemError, match="cannot read it as expert statistics"):
+        ExpertStats.open(path, f, cfg)
+    doc = {"format": "tandem-expert-stats", "version": 1, "fingerprint": stats.fingerprint, "counts": [[1, 2]]}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TandemError, match="counts of shape"):
+        ExpertStats.open(path, f, cfg)
