@@ -351,17 +351,22 @@ def _qmv(
     w_ptr, x_ptr, y_ptr, ids_ptr, N, K, row_bytes, expert_bytes, x_div, stride_x, stride_y,
     QT: tl.constexpr, HAS_IDS: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
 ):  # fmt: skip
-    """y[r, n] = sum_k x[r // x_div, k] * W[e(r)][n, k]; output row r along grid axis 1. Each program
-    covers BN rows, SB superblocks (256 values) of each per loop step."""
+    """y[r, n] = sum_k x[r // x_div, k] * W[e(r)][n, k]; output row r along grid axis 1 (zeros where e(r) < 0).
+    Each program covers BN rows, SB superblocks (256 values) of each per loop step."""
     # Tile [BN, SB, D2, D3] of 16-bit words per superblock step (see _qmv_step).
     D2: tl.constexpr = 4 if QT == 12 or QT == 13 or QT == 14 else 8
     D3: tl.constexpr = 16 if QT == 12 or QT == 13 or QT == 8 else 8
     pid_n = tl.program_id(0)
     r = tl.program_id(1)
     w_base = w_ptr
-    if HAS_IDS:
-        w_base += tl.load(ids_ptr + r).to(tl.int64) * expert_bytes
     rn = pid_n * BN + tl.arange(0, BN)
+    if HAS_IDS:
+        e = tl.load(ids_ptr + r).to(tl.int64)
+        if e < 0:  # a slot another part of a split computes (layers/moe.py split_routing): a row of zeros
+            zeros = tl.zeros([BN], dtype=tl.float32)
+            tl.store(y_ptr + r.to(tl.int64) * stride_y + rn, zeros.to(y_ptr.dtype.element_ty), mask=rn < N)
+            return
+        w_base += e * expert_bytes
     n4 = rn[:, None, None, None]
     rows = w_base + n4.to(tl.int64) * row_bytes
     x_row = x_ptr + (r // x_div).to(tl.int64) * stride_x

@@ -115,18 +115,22 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
     return y
 
 
-def qmatmul_id(x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool = False) -> torch.Tensor:
-    """Selected experts: x [T, K] (shared by a token's experts) or [T, A, K]; ids [T, A] -> [T, A, N]."""
+def qmatmul_id(
+    x: torch.Tensor, w: GPUQuantWeight, ids: torch.Tensor, ieee: bool = False, skips: bool = False
+) -> torch.Tensor:
+    """Selected experts: x [T, K] (shared by a token's experts) or [T, A, K]; ids [T, A] -> [T, A, N]. With
+    `skips`, ids may be -1: a slot another part of a split computes, whose row of the result is zeros."""
     t, a = ids.shape
     k, n = w.n_in, w.n_out
     x_div = a if x.dim() == 2 else 1
     x2 = _aligned(x.reshape(-1, k))
     flat = ids.reshape(-1).contiguous()  # int32 or int64: the kernels read either
     r = flat.numel()
-    y = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    small = r <= 2 * QMV_MAX_ROWS and w.stream is None  # `_qmv` writes every row, zeros for -1
+    y = (torch.zeros if skips and not small else torch.empty)(r, n, dtype=x.dtype, device=x.device)
     if r == 0:
         return y.view(t, a, n)
-    if r <= 2 * QMV_MAX_ROWS and w.stream is None:
+    if small:
         grid = lambda meta: (triton.cdiv(n, meta["BN"]), r)  # noqa: E731
         qk._qmv[grid](
             w.data, x2, y, flat, n, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),

@@ -1,5 +1,6 @@
-"""MoE routing on the GPU: router logits in one kernel (`router_logits`), and logits [T, E] to expert ids and
-mixing weights [T, A] in one kernel (`route`).
+"""MoE routing on the GPU: router logits in one kernel (`router_logits`), logits [T, E] to expert ids and
+mixing weights [T, A] in one kernel (`route`), and a step's routing split between the experts cached in VRAM and
+the rest in one kernel (`split_route`, layers/moe.py `split_routing`).
 
 The routing's torch form (float cast, softmax, topk, sum, divide: ~6 kernels, topk alone ~5 us) becomes one launch of
 one program per token, a warp holding the whole row (E up to a few hundred). Two orders of work:
@@ -127,3 +128,72 @@ def route(
             SOFTMAX_FIRST=softmax_first, RENORM=renormalize, num_warps=1,
         )  # fmt: skip
     return ids, weights
+
+
+@triton.jit
+def _split(
+    ids_ptr, w_ptr, map_ptr, res_ids_ptr, res_w_ptr, cpu_ids_ptr, cpu_w_ptr, cpu_n_ptr, pcie_ids_ptr, pcie_w_ptr,
+    A: tl.constexpr, AP: tl.constexpr, PCIE: tl.constexpr,
+):  # fmt: skip
+    """Token program_id(0): its A experts split as layers/moe.py `split_routing` does (one program per token, the
+    row in registers; ranks among the row's non-resident experts from an [AP, AP] comparison, no scan)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, AP)
+    ok = s < A
+    row = t * A + s
+    ids = tl.load(ids_ptr + row, mask=ok, other=0).to(tl.int32)
+    w = tl.load(w_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    local = tl.load(map_ptr + ids, mask=ok, other=-1)
+    res = ok & (local >= 0)
+    tl.store(res_ids_ptr + row, tl.where(res, local, -1), mask=ok)
+    tl.store(res_w_ptr + row, tl.where(res, w, 0.0), mask=ok)
+    other = ok & ~res
+    other_i = other.to(tl.int32)
+    before = s[None, :] < s[:, None]  # [i, j]: j comes before i
+    rank = tl.sum(tl.where(before, other_i[None, :], 0), axis=1)
+    n_other = tl.sum(other_i, axis=0)
+    n_pcie = (PCIE * n_other) // A
+    n_cpu = n_other - n_pcie
+    to_cpu = other & (rank < n_cpu)
+    if PCIE > 0:
+        to_pcie = other & (rank >= n_cpu)
+        tl.store(pcie_ids_ptr + row, tl.where(to_pcie, ids, -1), mask=ok)
+        tl.store(pcie_w_ptr + row, tl.where(to_pcie, w, 0.0), mask=ok)
+    # packed: position q holds the CPU expert of rank q
+    pick = (rank[None, :] == s[:, None]) & to_cpu[None, :]  # [q, j]
+    packed_ids = tl.sum(tl.where(pick, ids[None, :], 0), axis=1)
+    packed_w = tl.sum(tl.where(pick, w[None, :], 0.0), axis=1)
+    first = tl.sum(tl.where(s == 0, packed_ids, 0), axis=0)
+    id0 = tl.sum(tl.where(s == 0, ids, 0), axis=0)
+    pad = tl.where(n_cpu > 0, first, id0)
+    have = s < n_cpu
+    tl.store(cpu_ids_ptr + row, tl.where(have, packed_ids, pad), mask=ok)
+    tl.store(cpu_w_ptr + row, tl.where(have, packed_w, 0.0), mask=ok)
+    tl.store(cpu_n_ptr + t, n_cpu)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def split_route(
+    ids: torch.Tensor, weights: torch.Tensor, slot_map: torch.Tensor, pcie_slots: int = 0
+) -> tuple[Pair, Pair, torch.Tensor, Pair | None]:
+    """layers/moe.py `split_routing` in one kernel: ((resident ids, weights), (cpu ids, weights), cpu counts,
+    (pcie ids, weights) or None), ids int32, weights f32, each [T, A]; counts [T] int32."""
+    t, a = ids.shape
+    ids = ids.contiguous()
+    weights = weights.float().contiguous()
+    dev = ids.device
+    res_ids = torch.empty(t, a, dtype=torch.int32, device=dev)
+    res_w = torch.empty(t, a, dtype=torch.float32, device=dev)
+    cpu_ids = torch.empty_like(res_ids)
+    cpu_w = torch.empty_like(res_w)
+    cpu_n = torch.empty(t, dtype=torch.int32, device=dev)
+    pcie_ids = torch.empty_like(res_ids) if pcie_slots else res_ids
+    pcie_w = torch.empty_like(res_w) if pcie_slots else res_w
+    if t:
+        _split[(t,)](
+            ids, weights, slot_map, res_ids, res_w, cpu_ids, cpu_w, cpu_n, pcie_ids, pcie_w,
+            A=a, AP=triton.next_power_of_2(a), PCIE=pcie_slots, num_warps=1,
+        )  # fmt: skip
+    return (res_ids, res_w), (cpu_ids, cpu_w), cpu_n, ((pcie_ids, pcie_w) if pcie_slots else None)

@@ -32,6 +32,8 @@ class GPUQuantExperts:
     # Inputs rounded first as ggml's CPU backend rounds them (`ggml_rounded_input`): experts computed here in
     # place of ggml's, beside ggml's own, which must give its values (--pcie-experts).
     ggml_inputs: bool = False
+    # One part of a split (layers/moe.py split_routing): ids -1 are slots another part computes, rows of zeros.
+    skips: bool = False
 
     @property
     def out_features(self) -> int:
@@ -40,7 +42,7 @@ class GPUQuantExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.ggml_inputs:
             x = ggml_rounded_input(x, self.weight.qtype)
-        return qmatmul_id(x, self.weight, ids, self.ieee)
+        return qmatmul_id(x, self.weight, ids, self.ieee, self.skips)
 
 
 @dataclass(eq=False)

@@ -28,6 +28,123 @@ class Routing:
     weights: torch.Tensor  # [T, A] float32 mixing weights
 
 
+@dataclass(frozen=True)
+class SplitRouting:
+    """A token's selected experts split three ways (`split_routing`), each part [T, A] like the routing itself:
+    - `resident`: slot ids of the experts cached in VRAM (-1 elsewhere, weight 0);
+    - `cpu`: the experts ggml computes, packed to the front of each row (the row's first one repeated, weight 0,
+      after them), with `cpu_counts` [T] int32 of them per row;
+    - `pcie` (with --pcie-experts): the experts the GPU reads over PCIe (-1 elsewhere, weight 0)."""
+
+    resident: Routing
+    cpu: Routing
+    cpu_counts: torch.Tensor
+    pcie: Routing | None
+
+
+def split_routing(routing: Routing, slot_map: torch.Tensor, pcie_slots: int = 0) -> SplitRouting:
+    """Split each token's experts between the ones cached in VRAM (`slot_map` [E] int32: the expert's slot, or -1)
+    and the others; of the others, the last (pcie_slots * others) // A of the row (the lowest weights) go over PCIe
+    when pcie_slots > 0, the rest to ggml. No host sync; on a GPU one kernel (cuda/routing.py `split_route`)."""
+    ids, weights = routing.ids, routing.weights.float()
+    if ids.is_cuda:
+        from tandem.cuda.routing import split_route
+
+        res_p, cpu_p, n, pcie_p = split_route(ids, weights, slot_map, pcie_slots)
+        return SplitRouting(Routing(*res_p), Routing(*cpu_p), n, None if pcie_p is None else Routing(*pcie_p))
+    t, a = ids.shape
+    local = slot_map[ids.long()]  # [T, A]
+    resident = local >= 0
+    other = ~resident
+    rank = torch.cumsum(other.to(torch.int32), dim=1) - other.to(torch.int32)  # among the row's others, in order
+    n_other = other.sum(dim=1, dtype=torch.int32)
+    n_pcie = (pcie_slots * n_other) // a
+    n_cpu = n_other - n_pcie
+    to_cpu = other & (rank < n_cpu[:, None])
+    to_pcie = other & ~to_cpu
+    zero = torch.zeros_like(weights)
+    res = Routing(torch.where(resident, local, -1).to(torch.int32), torch.where(resident, weights, zero))
+    # ggml's part: packed to the front, in order (a stable sort puts the CPU slots first)
+    order = torch.sort((~to_cpu).to(torch.int8), dim=1, stable=True).indices
+    packed_ids = ids.gather(1, order).to(torch.int32)
+    packed_w = torch.where(to_cpu, weights, zero).gather(1, order)
+    have = torch.arange(a, device=ids.device)[None, :] < n_cpu[:, None]
+    pad = torch.where(n_cpu > 0, packed_ids[:, 0], ids[:, 0].to(torch.int32))[:, None]
+    cpu = Routing(torch.where(have, packed_ids, pad), torch.where(have, packed_w, zero))
+    pcie = None
+    if pcie_slots:
+        pcie = Routing(torch.where(to_pcie, ids.to(torch.int32), -1), torch.where(to_pcie, weights, zero))
+    return SplitRouting(res, cpu, n_cpu.to(torch.int32), pcie)
+
+
+def split_streamed(routing: Routing, slot_map: torch.Tensor) -> tuple[Routing, Routing]:
+    """Prefill's split: (the experts cached in VRAM by slot, the others by id), -1 and weight 0 where a token's
+    expert is in the other part, so that streaming copies only experts no cached slot holds."""
+    ids, weights = routing.ids, routing.weights.float()
+    local = slot_map[ids.long()]
+    resident = local >= 0
+    zero = torch.zeros_like(weights)
+    res = Routing(torch.where(resident, local, -1).to(torch.int32), torch.where(resident, weights, zero))
+    rest = Routing(torch.where(resident, -1, ids.to(torch.int32)), torch.where(resident, zero, weights))
+    return res, rest
+
+
+@dataclass(eq=False)
+class RoutingCounts:
+    """How often each expert of each layer was picked: [n_layers, E] int64 on the compute device, added to by
+    every step's top-k (an index_add per layer, no host sync, so it runs inside captured decode graphs).
+    `begin_step` weighs the step's rows: 1, or 0 for the padding rows of a pooled decode step."""
+
+    counts: torch.Tensor
+    n_active: int
+    _weights: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_experts: int, n_active: int, device: torch.device) -> RoutingCounts:
+        return cls(torch.zeros(n_layers, n_experts, dtype=torch.int64, device=device), n_active)
+
+    def begin_step(self, n_rows: int, slots: torch.Tensor | None = None) -> None:
+        """The rows of the coming step: all of them count, or (a pooled decode step) those whose slot is >= 0."""
+        device = self.counts.device
+        if slots is None:
+            self._weights = torch.ones(n_rows * self.n_active, dtype=torch.int64, device=device)
+        else:
+            self._weights = (slots >= 0).to(torch.int64).repeat_interleave(self.n_active)
+
+    def count(self, layer: int, ids: torch.Tensor) -> None:
+        flat = ids.reshape(-1)
+        weights = self._weights
+        if weights is None or weights.numel() != flat.numel():  # a step begun elsewhere (tests, a bare forward)
+            weights = torch.ones(flat.numel(), dtype=torch.int64, device=self.counts.device)
+        self.counts[layer].index_add_(0, flat, weights)
+
+    def read(self) -> torch.Tensor:
+        """The counts on the host (waits for the device)."""
+        return self.counts.cpu()
+
+
+@dataclass(eq=False)
+class CountedExperts:
+    """Routed experts whose picks are counted (`RoutingCounts`) before they compute."""
+
+    inner: RoutedExperts
+    counts: RoutingCounts
+    layer: int
+
+    def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        self.counts.count(self.layer, routing.ids)
+        return self.inner(x, routing)
+
+    def start(self, x: torch.Tensor, routing: Routing) -> Pending:
+        self.counts.count(self.layer, routing.ids)
+        return start_experts(self.inner, x, routing)
+
+    def __getattr__(self, name: str) -> object:  # the wrapped experts' own attributes (host, pcie, ...)
+        if name.startswith("__") or name in ("inner", "counts", "layer"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 def _router_logits(proj: Linear, x: torch.Tensor) -> torch.Tensor:
     """Router logits [T, E] in f32, as llama.cpp computes the router. A projection with its own f32 path
     (DenseLinear.logits: one kernel at decode on the GPU, reading x as it is) takes x directly; any other

@@ -20,7 +20,7 @@ import torch
 from tandem.errors import PlacementError, TandemError, UnsupportedModelError
 from tandem.gguf import GGUFFile, TensorInfo
 from tandem.layers.linear import Experts, GGMLExperts, GGMLLinear, Linear
-from tandem.layers.moe import GGMLValuedGLU, GLUExperts, RoutedExperts
+from tandem.layers.moe import CountedExperts, GGMLValuedGLU, GLUExperts, RoutedExperts, RoutingCounts
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
 from tandem.placement.plan import staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
@@ -90,6 +90,7 @@ class WeightLoader:
         on_tensor: Callable[[TensorInfo], None] | None = None,
         repack_experts: bool = False,
         pcie_experts: int = 0,
+        routing_counts: RoutingCounts | None = None,
     ) -> None:
         self.file = f
         self.plan = plan
@@ -115,6 +116,8 @@ class WeightLoader:
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self.pcie_experts = pcie_experts  # of each token's CPU experts in decode, read by the GPU (--pcie-experts)
         self._pcie_layers = 0
+        self._cached: dict[int, tuple[tuple[int, ...], int]] = {}  # layer -> (cached expert ids, VRAM bytes)
+        self.routing_counts = routing_counts  # every layer's expert picks, counted on the device (--expert-stats)
         self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
             self._start_streaming()
@@ -145,6 +148,13 @@ class WeightLoader:
         """One line per quant type that has no GPU kernel and was dequantized at load, one per fallback, and one per
         option of tandem's own that changed how experts compute (--repack-experts, --pcie-experts)."""
         own = [self._repacks.notice] if self._repacks.notice else []  # what tandem's own options did
+        if self._cached:
+            n = sum(len(ids) for ids, _ in self._cached.values())
+            mib = sum(b for _, b in self._cached.values()) / 2**20
+            own.append(
+                f"expert cache: {n} experts of {len(self._cached)} layer(s) in VRAM ({mib:,.1f} MiB) beside their "
+                "layers' experts in host RAM; each step splits a layer's picks between the two"
+            )
         if self._pcie_layers:
             own.append(
                 f"--pcie-experts {self.pcie_experts}: in decode, the GPU computes {self.pcie_experts} of each token's "
@@ -287,17 +297,24 @@ class WeightLoader:
         All on the compute device: built directly. All on the CPU under a GPU model: an OffloadedExperts
         that computes decode batches on the CPU and streams the blocks to the GPU for prefill batches.
         """
+        experts = self._routed_experts(layer, build)
+        if self.routing_counts is not None:
+            return CountedExperts(experts, self.routing_counts, layer)
+        return experts
+
+    def _routed_experts(self, layer: int, build: Callable[[ExpertSource], RoutedExperts]) -> RoutedExperts:
         infos = [info for name, info in self.file.tensors.items() if expert_layer(name) == layer]
         devices = {self.plan.device_of(info.name) for info in infos}  # one: the plan keeps layers whole
         if self.compute_device.type == "cpu" or devices != {"cpu"}:
             return build(self)
         on_cpu = build(_HostSource(self))
+        cached = self.plan.expert_cache.resident(layer)
         streamed, stage_vectors = None, None
         stream = self._stream
         if stream is not None and streamable(infos):
             vectors = [i for i in infos if len(i.shape) < 3]
             offsets = dict(zip((i.name for i in vectors), _offsets(vectors), strict=True))
-            streamed = build(_StreamedSource(self, stream, offsets))
+            streamed = build(_StreamedSource(self, stream, offsets, skips=bool(cached)))
 
             def stage_vectors() -> None:
                 for info in vectors:
@@ -311,23 +328,53 @@ class WeightLoader:
                     f"--pcie-experts: {self.file.path.name} could not be page-locked for the GPU to read "
                     f"({'; '.join(self._notices) or 'no CPU experts to stream'}); run without --pcie-experts"
                 )
-            pcie = self._pcie_experts(build)
+            pcie = self._pcie_experts(build, skips=bool(cached))
             self._pcie_layers += 1
+        resident, slot_map = None, None
+        if cached:
+            if streamed is None:
+                raise TandemError(  # the plan caches only layers whose types the GPU kernels read
+                    f"--moe-cache/--gpu-memory: layer {layer}'s experts cannot be cached in VRAM: "
+                    f"{'; '.join(self._notices) or 'no GPU kernel for their type'}"
+                )
+            resident, slot_map = self._cached_experts(layer, build, cached, infos)
         offloaded = OffloadedExperts(
             on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH,
-            pcie=pcie, pcie_slots=self.pcie_experts,
+            pcie=pcie, pcie_slots=self.pcie_experts, resident=resident, slot_map=slot_map,
         )  # fmt: skip
         self.host_boundaries.extend(offloaded.hosts)
         return offloaded
 
-    def _pcie_experts(self, build: Callable[[ExpertSource], RoutedExperts]) -> RoutedExperts:
+    def _pcie_experts(self, build: Callable[[ExpertSource], RoutedExperts], skips: bool = False) -> RoutedExperts:
         """The experts built over device views of their page-locked host blocks (--pcie-experts). They compute
         some of each token's experts in place of ggml, whose values the split must keep: their inputs are
         rounded as ggml rounds them before its products and their gated unit gives ggml's values (on random
         inputs the GPU's own are ~1% away, and tiny models then route tokens elsewhere)."""
-        pcie = build(_PCIeSource(self))
+        pcie = build(_PCIeSource(self, skips))
         assert isinstance(pcie, GLUExperts)  # every model's routed experts
         return dataclasses.replace(pcie, glu=GGMLValuedGLU(pcie.glu, self.compute_device))
+
+    def _cached_experts(
+        self, layer: int, build: Callable[[ExpertSource], RoutedExperts], ids: tuple[int, ...],
+        infos: list[TensorInfo], ggml_values: bool = False,
+    ) -> tuple[RoutedExperts, torch.Tensor]:  # fmt: skip
+        """The experts of `layer` the plan caches in VRAM: built over copies of their rows alone (slot i holds
+        expert ids[i]), and the slot map [E] int32 (-1: not cached) on the compute device. With `ggml_values`
+        they give ggml's values as the --pcie-experts ones do (tests compare the split with ggml alone); by
+        default they compute as experts in VRAM do."""
+        source = _CachedSource(self, ids, ggml_inputs=ggml_values)
+        cached = build(source)
+        if ggml_values:
+            assert isinstance(cached, GLUExperts)
+            cached = dataclasses.replace(cached, glu=GGMLValuedGLU(cached.glu, self.compute_device))
+        slot_map = torch.full((infos[0].shape[0],), -1, dtype=torch.int32)
+        slot_map[list(ids)] = torch.arange(len(ids), dtype=torch.int32)
+        self._cached[layer] = (ids, source.uploaded)
+        return cached, slot_map.to(self.compute_device)
+
+    def cached_experts(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        """layer -> (the expert ids cached in VRAM, their bytes there), read back from the uploads made."""
+        return dict(self._cached)
 
 
 def _address(info: TensorInfo) -> int:
@@ -358,12 +405,46 @@ class _HostSource:
         return dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)
 
 
+class _CachedSource:
+    """The experts of a layer the plan caches in VRAM: each matrix's rows of those experts alone (their GGUF
+    blocks, in slot order) and each expert vector's entries, uploaded once; the rest of the tensors stays in
+    host RAM. Their products skip the slots of a split's other parts (ids -1)."""
+
+    def __init__(self, loader: WeightLoader, ids: tuple[int, ...], ggml_inputs: bool = False) -> None:
+        self.loader, self.ids, self.ggml_inputs = loader, ids, ggml_inputs
+        self.uploaded = 0  # bytes copied to the GPU
+
+    def _rows(self, info: TensorInfo) -> torch.Tensor:
+        per = info.n_bytes // info.shape[0]
+        rows = np.concatenate([info.data[e * per : (e + 1) * per] for e in self.ids])
+        data = torch.from_numpy(rows).to(self.loader.compute_device)
+        self.uploaded += data.numel()
+        return data
+
+    def experts(self, name: str) -> Experts:
+        from tandem.cuda.qlinear import GPUQuantWeight
+        from tandem.cuda.weights import GPUQuantExperts
+
+        info = self.loader.info(name)
+        if info.qtype not in GPU_NATIVE_TYPES:
+            raise TandemError(f"{name}: {info.qtype.name} experts have no GPU kernel to cache them with")
+        weight = GPUQuantWeight(self._rows(info), info.qtype, (len(self.ids), *info.shape[1:]))
+        return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=self.ggml_inputs, skips=True)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info = self.loader.info(name)
+        values = dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)[list(self.ids)].contiguous()
+        self.uploaded += values.numel() * values.element_size()
+        return values.to(self.loader.compute_device)
+
+
 class _PCIeSource:
     """Experts and vectors read by the GPU in place, over PCIe, from the page-locked file (--pcie-experts):
     device views of host memory, so nothing is copied and no VRAM is taken (the plan's CPU tensors stay there)."""
 
-    def __init__(self, loader: WeightLoader) -> None:
+    def __init__(self, loader: WeightLoader, skips: bool = False) -> None:
         self.loader = loader
+        self.skips = skips  # the layer's cached experts compute from VRAM: their slots are -1 here
 
     def _view(self, info: TensorInfo) -> torch.Tensor:
         from tandem.cuda.host_memory import device_view
@@ -376,7 +457,7 @@ class _PCIeSource:
 
         info = self.loader.info(name)
         weight = GPUQuantWeight(self._view(info), info.qtype, info.shape)
-        return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=True)
+        return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=True, skips=self.skips)
 
     def vector(self, name: str) -> torch.Tensor:
         info = self.loader.info(name)
@@ -387,10 +468,13 @@ class _StreamedSource:
     """Experts whose blocks stay in host RAM and stream to the GPU when a prefill batch uses them; vectors
     are views of the window's vector region, valid once `stage_vectors` copied them (each prefill step)."""
 
-    def __init__(self, loader: WeightLoader, stream: ExpertStream, offsets: dict[str, int]) -> None:
+    def __init__(
+        self, loader: WeightLoader, stream: ExpertStream, offsets: dict[str, int], skips: bool = False
+    ) -> None:
         self.loader = loader
         self.stream = stream
         self.offsets = offsets
+        self.skips = skips  # the layer's cached experts compute from VRAM: their slots are -1 here
 
     def experts(self, name: str) -> Experts:
         from tandem.cuda.qlinear import GPUQuantWeight
@@ -398,7 +482,7 @@ class _StreamedSource:
 
         info = self.loader.info(name)
         blocks = GPUQuantWeight(_as_torch_bytes(info.data), info.qtype, info.shape, stream=self.stream)
-        return GPUQuantExperts(blocks, self.loader.ieee)
+        return GPUQuantExperts(blocks, self.loader.ieee, skips=self.skips)
 
     def vector(self, name: str) -> torch.Tensor:
         info = self.loader.info(name)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from tandem.layers.linear import Experts, GGMLLinear
-from tandem.layers.moe import Pending, RoutedExperts, Routing
+from tandem.layers.moe import Pending, RoutedExperts, Routing, split_routing, split_streamed
 
 if TYPE_CHECKING:
     from tandem.cuda.graphs import SegmentedGraph
@@ -292,6 +292,12 @@ class OffloadedExperts:
     `pcie` instead: the same experts built over device views of their page-locked host blocks, which the GPU
     kernels read over PCIe while the CPU computes the others. Both sides read host memory at once, and
     together they read it faster than the CPU alone (see the module's docstring).
+
+    With `resident` (the plan's expert cache: --moe-cache, --gpu-memory), some experts of the layer are also in
+    VRAM: `resident` is built over those experts alone, `slot_map` [E] int32 gives each expert's slot there (-1:
+    not cached). Each step's routing is split (layers/moe.py `split_routing`, one kernel, no host sync): the
+    cached experts compute on the GPU while ggml computes the others (and, with `pcie`, the GPU reads K/A of
+    each token's others over PCIe); in prefill the cached ones compute from VRAM and only the others stream.
     """
 
     on_cpu: RoutedExperts  # built over ggml experts and CPU vectors
@@ -300,6 +306,8 @@ class OffloadedExperts:
     min_batch: int  # batches this large stream the experts to the GPU (llama.cpp: 32)
     pcie: RoutedExperts | None = None  # built over device views of the host blocks (--pcie-experts)
     pcie_slots: int = 0  # of each token's selected experts, how many `pcie` computes (the last ones)
+    resident: RoutedExperts | None = None  # built over the experts cached in VRAM, by slot
+    slot_map: torch.Tensor | None = None  # [E] int32 on the GPU: each expert's slot in `resident`, or -1
     host: HostCall = field(init=False)
     host_by_expert: HostCall | None = field(init=False)  # the CPU's part of a batch split by expert
 
@@ -310,11 +318,52 @@ class OffloadedExperts:
                 bind=self._bind if hasattr(self.on_cpu, "bind") else None,
             )
 
+        self.host_by_expert = None
+        if self.resident is not None:  # the CPU's part of a split: packed slots, a count per row
+            assert self.slot_map is not None
+            self.host = HostCall(self._packed_cpu, bind=self._bind_packed if hasattr(self.on_cpu, "bind") else None)
+            return
         self.host = host_op()
         self.host_by_expert = host_op() if self.pcie is not None and self.pcie_slots > 0 else None
 
     def _bind(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
         return self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
+
+    def _packed_cpu(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """ggml's part of a split (x, ids and weights packed to the front of each row, the count per row): the
+        first `width` columns, `width` the most a row of the step gives ggml; zeros when no row gives any."""
+        x, ids, weights, counts = xs
+        width = int(counts.max()) if counts.numel() else 0
+        if width == 0:
+            return torch.zeros(x.shape, dtype=torch.float32)
+        return self.on_cpu(x, Routing(ids=ids[:, :width].contiguous(), weights=weights[:, :width].contiguous()))
+
+    def _bind_packed(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
+        """`_packed_cpu` on fixed buffers: one ggml graph prepared per width, fed the first `width` columns (a
+        few numpy copies); a step that gives ggml nothing leaves it idle."""
+        x, ids, weights, counts = xs
+        rows, a = ids.shape
+        narrow = [(torch.empty(rows, w, dtype=ids.dtype), torch.empty(rows, w, dtype=weights.dtype)) for w in range(a)]
+        bind = self.on_cpu.bind  # type: ignore[attr-defined]
+        bound = [bind(x, Routing(ids=i, weights=w), out) for i, w in narrow[1:]]
+        bound.append(bind(x, Routing(ids=ids, weights=weights), out))
+        if any(b is None for b in bound):
+            return None
+        counts_np, ids_np, w_np, out_np = counts.numpy(), ids.numpy(), weights.numpy(), out.numpy()
+        narrow_np = [(i.numpy(), w.numpy()) for i, w in narrow]
+
+        def run() -> None:
+            width = int(counts_np.max())
+            if width == 0:
+                out_np.fill(0.0)
+                return
+            if width < a:
+                i, w = narrow_np[width]
+                i[...] = ids_np[:, :width]
+                w[...] = w_np[:, :width]
+            bound[width - 1]()
+
+        return run
 
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.start(x, routing)()
@@ -326,6 +375,8 @@ class OffloadedExperts:
 
     def start(self, x: torch.Tensor, routing: Routing) -> Pending:
         """Begin the experts; the CPU computes them while the caller queues GPU work, until the result is asked."""
+        if self.resident is not None:
+            return self._start_split(x, routing)
         if self._streams(x):
             out = self._stream(x, routing)
             return lambda: out
@@ -342,6 +393,20 @@ class OffloadedExperts:
         pending = host.start(self._host_inputs(x, cpu), x.shape, x.dtype)
         over_pcie = self.pcie(x, gpu)  # queued after the host op's inputs: runs while the CPU computes
         return lambda: pending() + over_pcie
+
+    def _start_split(self, x: torch.Tensor, routing: Routing) -> Pending:
+        """The layer's cached experts on the GPU, the others on the CPU (and over PCIe), at the same time."""
+        assert self.resident is not None and self.slot_map is not None
+        if self._streams(x):  # prefill: the cached experts from VRAM, only the others streamed
+            cached, rest = split_streamed(routing, self.slot_map)
+            out = self.resident(x, cached) + self._stream(x, rest)
+            return lambda: out
+        split = split_routing(routing, self.slot_map, self.pcie_slots if self.pcie is not None else 0)
+        pending = self.host.start([*self._host_inputs(x, split.cpu), split.cpu_counts], x.shape, x.dtype)
+        on_gpu = self.resident(x, split.resident)  # queued after the host op's inputs: runs while the CPU computes
+        if self.pcie is not None and split.pcie is not None:
+            on_gpu = on_gpu + self.pcie(x, split.pcie)
+        return lambda: pending() + on_gpu
 
     def _streams(self, x: torch.Tensor) -> bool:
         return self.streamed is not None and x.shape[0] >= self.min_batch
