@@ -79,7 +79,7 @@ def test_override_first_match_wins_and_beats_cpu_moe(tiny_qwen3moe_gguf: tuple[P
         ({"device": "npu"}, "--device: unknown device"),
         ({"device": "cuda", "gpu_memory": "1KiB"}, "cannot hold even the non-expert weights"),
         ({"device": "cuda", "gpu_memory": "lots"}, "cannot read 'lots'"),
-        ({"device": "cpu", "gpu_memory": "8GiB"}, "need a GPU device"),
+        ({"device": "cpu", "gpu_memory": "8GiB"}, "needs a GPU device"),
         ({"device": "cuda", "cpu_moe": True, "n_cpu_moe": 1}, "exclusive"),
         ({"device": "cuda", "override_tensor": [r"ffn_down_exps=cpu"]}, "routed experts of layer 0 would be split"),
         ({"device": "cuda", "n_gpu_layers": 1}, "-ngl 1: tandem keeps all 2 layers on one device"),

@@ -16,7 +16,8 @@ from tandem.api import LLM, default_model_path
 from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
-from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement import ExpertStats, PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement.tp import check_tp_flags, plan_tensor_parallel
 from tandem.runtime.devices import check_pcie_experts, resolve_device
 from tandem.runtime.sampling import check_option
 from tandem.state.kv_cache import CACHE_DTYPES
@@ -41,6 +42,7 @@ def _load(args: argparse.Namespace) -> LLM:
             n_parallel=args.parallel,
             repack_experts=args.repack_experts,
             pcie_experts=args.pcie_experts,
+            expert_stats=args.expert_stats,
             **_placement(args),
         )
     print(_placement_line(llm), file=sys.stderr)
@@ -94,6 +96,7 @@ def _placement(args: argparse.Namespace) -> dict[str, object]:
         "n_cpu_moe": args.n_cpu_moe,
         "override_tensor": args.override_tensor,
         "gpu_memory": args.gpu_memory,
+        "moe_cache": args.moe_cache,
         "tp": args.tp,
         "n_gpu_layers": args.n_gpu_layers,
     }
@@ -228,8 +231,15 @@ def inspect(args: argparse.Namespace) -> int:
         n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize,
         n_seq=args.parallel,
     )  # fmt: skip
-    plan = plan_placement(f, cfg, request, shape)
+    stats = ExpertStats.open(args.expert_stats, f, cfg) if args.expert_stats else None
+    counts = {} if stats is None or not stats.total else {"expert_counts": stats.counts,
+                                                          "counts_label": f"--expert-stats {stats.path}"}  # fmt: skip
+    plan = plan_placement(f, cfg, request, shape, **counts)  # type: ignore[arg-type]
     check_pcie_experts(plan, f, cfg, args.pcie_experts)
+    tp = None
+    if request.tp > 1:  # each rank's slices and plan (docs/TENSOR_PARALLEL.md)
+        check_tp_flags(request, args.pcie_experts)
+        tp = plan_tensor_parallel(f, cfg, request, shape).to_dict()
     mix: Counter[str] = Counter()
     mix_bytes: Counter[str] = Counter()
     for t in f.tensors.values():
@@ -252,6 +262,7 @@ def inspect(args: argparse.Namespace) -> int:
         "experts": None if cfg.moe is None else {"count": cfg.moe.n_experts, "active": cfg.moe.n_active},
         "quant_mix": {k: {"tensors": mix[k], "bytes": mix_bytes[k]} for k in sorted(mix)},
         "plan": {k: v for k, v in plan.to_dict().items() if k != "tensors"},
+        "tp": tp,
         "pcie_experts": args.pcie_experts,
         "parallel": args.parallel,
         "n_ctx": args.ctx_size,
@@ -316,11 +327,16 @@ def _print_inspect(summary: dict, show_tensors: bool) -> None:
         vram.add_row(f"KV cache ({summary['parallel']} x {summary['n_ctx']} tokens)", _mib(plan["kv_bytes"]))
         vram.add_row("workspace", _mib(plan["workspace_bytes"]))
         vram.add_row("expert staging (prefill)", _mib(plan["staging_bytes"]))
+        if plan["expert_cache"]["bytes"]:
+            n = sum(plan["expert_cache"]["experts_per_layer"].values())
+            vram.add_row(f"expert cache ({n} experts)", _mib(plan["expert_cache"]["bytes"]))
         vram.add_row("total", _mib(plan["expected_gpu_bytes"]))
         console.print(vram)
     if plan["cpu_expert_layers"]:
         layers = plan["cpu_expert_layers"]
         console.print(f"experts on the CPU: {len(layers)} layers ({layers[0]}..{layers[-1]})")
+    if plan["expert_cache"]["bytes"]:
+        console.print(_cache_lines(plan["expert_cache"], summary["experts"]["count"]))
     if summary["pcie_experts"]:
         console.print(
             f"decode: the GPU computes {summary['pcie_experts']} of each token's {summary['experts']['active']} "
@@ -333,6 +349,47 @@ def _print_inspect(summary: dict, show_tensors: bool) -> None:
         for t in summary["tensors"]:
             table.add_row(t["name"], t["type"], "x".join(map(str, t["shape"])), _mib(t["bytes"]), t["device"])
         console.print(table)
+    if summary["tp"] is not None:
+        _print_tensor_parallel(console, summary["tp"], show_tensors)
+
+
+def _print_tensor_parallel(console: Any, tp: dict, show_tensors: bool) -> None:
+    """Each rank's weights by device and expected VRAM (--tp N), and with --tensors each rank's slice of every
+    tensor."""
+    from rich.table import Table
+
+    title = f"tensor parallel: {tp['tp']} ranks ({tp['backend']})"
+    ranks = Table("rank", "device", "weights on it MiB", "host RAM MiB", "KV cache MiB", "workspace MiB",
+                  "staging MiB", "expected VRAM MiB", title=title)  # fmt: skip
+    for r in tp["ranks"]:
+        gpu = r["device"] != "cpu"
+        ranks.add_row(str(r["rank"]), r["device"], _mib(r["weight_bytes"].get(r["device"], 0)),
+                      _mib(r["weight_bytes"].get("cpu", 0)) if gpu else "-", _mib(r["kv_bytes"]),
+                      _mib(r["workspace_bytes"]), _mib(r["staging_bytes"]),
+                      _mib(r["expected_gpu_bytes"]) if gpu else "-")  # fmt: skip
+    console.print(ranks)
+    if not show_tensors:
+        return
+    for r in tp["ranks"]:
+        table = Table("tensor", "split", "shape", "MiB", "device", title=f"rank {r['rank']} ({r['device']})")
+        for name, t in r["tensors"].items():
+            table.add_row(name, t["split"], "x".join(map(str, t["shape"])), _mib(t["bytes"]), t["device"])
+        console.print(table)
+
+
+def _cache_lines(cache: dict, n_experts: int) -> str:
+    """Experts cached in VRAM per layer, runs of layers with the same count on one line."""
+    per = {int(k): v for k, v in cache["experts_per_layer"].items()}
+    runs: list[tuple[int, int, int]] = []
+    for layer in sorted(per):
+        if runs and runs[-1][1] == layer - 1 and runs[-1][2] == per[layer]:
+            runs[-1] = (runs[-1][0], layer, per[layer])
+        else:
+            runs.append((layer, layer, per[layer]))
+    lines = [f"experts cached in VRAM beside host RAM ({cache['source']}):"]
+    for a, b, n in runs:
+        lines.append(f"  layer{'s' if b > a else ''} {a}{'..' + str(b) if b > a else ''}: {n} of {n_experts}")
+    return "\n".join(lines)
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -404,6 +461,9 @@ def _bench_concurrency(args: argparse.Namespace, pp_sizes: list[int]) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     check_flags(args)
+    if args.tp > 1:  # its figures (memory, speed) are one process's: rank 0's of N
+        raise TandemError(f"--tp {args.tp}: bench is not built under tensor parallelism yet; time it with run or the "
+                          "API (docs/TENSOR_PARALLEL.md)")  # fmt: skip
     if args.compare or args.report or args.matrix:
         # Worker processes per engine x placement, a report that survives failures: tandem/bench/compare.py.
         from tandem.bench.compare import run_from_args

@@ -86,8 +86,8 @@ class PlacementRequest:
             raise PlacementError(f"--gpu-memory must be positive, got {self.gpu_memory}")
         if self.tp < 1:
             raise PlacementError(f"--tp must be >= 1, got {self.tp}")
-        if self.device == "cpu" and (self.gpu_memory is not None or self.tp > 1):
-            raise PlacementError("--gpu-memory and --tp need a GPU device (--device cuda)")
+        if self.device == "cpu" and self.gpu_memory is not None:
+            raise PlacementError("--gpu-memory needs a GPU device (--device cuda)")
         if self.n_gpu_layers == 0 and self.device != "cpu":
             raise PlacementError(f"-ngl 0 keeps every layer on the CPU, which --device {self.device} contradicts")
         if self.n_gpu_layers not in (None, 0) and self.device == "cpu":
