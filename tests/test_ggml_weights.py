@@ -237,13 +237,17 @@ def test_tiled_q6_k_product_is_the_kernels_arithmetic(arithmetic: str) -> None:
 
 
 def test_tiled_q6_k_int8_and_float64_products_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The block sums as int8 products (hi and lo parts of the scaled codes) or float64 ones: both exact."""
+    """The block sums as int8 products (hi and lo parts of the scaled codes) or float64 ones: both exact; the
+    multiply-adds by torch's addcmul (where it is fused), numpy's chain or `fma32`: the same roundings."""
     w = q6_k_weight((48, 1024), 23)
     torch.manual_seed(24)
     x = torch.randn(70, 1024) * torch.logspace(-3, 3, 1024)  # blocks of very different magnitudes
     x[5] = 0.0  # a row of zeros, and a block of zeros in another
     x[9, 256:512] = 0.0
     int8 = TiledQ6K(w.data, w.shape).matmul(x)
+    with monkeypatch.context() as m:  # the multiply-adds in numpy where torch's addcmul is not fused
+        m.setattr(gtiled, "fused_addcmul", lambda: False)
+        assert torch.equal(TiledQ6K(w.data, w.shape).matmul(x), int8)
     monkeypatch.setattr(gtiled, "INT8_PRODUCTS", False)
     assert torch.equal(TiledQ6K(w.data, w.shape).matmul(x), int8)
 

@@ -39,6 +39,7 @@ besides the activation codes (8 bytes per activation value).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -56,6 +57,7 @@ CACHE_MAX_BYTES = 64 << 20  # a weight's unpacked codes are kept up to this size
 CHUNK_BYTES = 64 << 20  # float64 temporaries of one step of a call
 
 _QK_K = 256
+Q8_K_BYTES = 292  # block_q8_K: d (float32), 256 codes (int8), 16 partial sums (int16)
 _Q6_K_BYTES = 210  # ql[128] | qh[64] | scales[16] (int8) | d (f16)
 # The 29 fraction bits a float64 has beyond a float32, and their pattern halfway between two float32 values.
 _F32_DROPPED_BITS = (1 << 29) - 1
@@ -239,22 +241,66 @@ class TiledQ6K:
             y[:, r0:r1] = acc
         return y
 
+    @property
+    def int8(self) -> bool:
+        """Whether the block sums are int8 products here (see the module docstring)."""
+        n, k = self.shape
+        return INT8_PRODUCTS and 2 * n * k <= CACHE_MAX_BYTES
+
+    def matmul_q8_k(self, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The product from activations quantized to Q8_K already, as ggml quantizes them (a graph's copy to a Q8_K
+        tensor: `quantize_row_q8_K_ref`, what `quantize_q8_k` computes): blocks [T, K / 256 * 292] uint8 (per block
+        d float32, the 256 codes int8, 16 sums int16), out [T, N] float32. Only where `int8`."""
+        t, k = blocks.shape[0], self.shape[1]
+        raw = blocks.view(t, k // _QK_K, Q8_K_BYTES)
+        d_x = raw[..., :4].view(torch.float32)[..., 0].t().contiguous()  # [B, T]
+        codes = raw[..., 4 : 4 + _QK_K].view(torch.int8).transpose(0, 1).contiguous()  # [B, T, 256]
+        return self._int8_products(codes, d_x, out)
+
     def _matmul_int8(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        codes, d_x = quantize_q8_k(x)
+        return self._int8_products(codes.to(torch.int8).transpose(0, 1).contiguous(), d_x.t().contiguous(), y)
+
+    def _int8_products(self, codes: torch.Tensor, d_x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = the kernel's result from the activations' codes [B, T, 256] int8 and scales d_x [B, T]."""
         n = self.shape[0]
         parts, d_w = self._int8_parts()
-        codes, d_x = quantize_q8_k(x)
-        codes = codes.to(torch.int8).transpose(0, 1).contiguous()  # [B, T, 256]
         nb, t = codes.shape[0], codes.shape[1]
-        r = torch.empty(nb, t, n, dtype=torch.float32)
+        fused = self.arithmetic == "fma" and fused_addcmul()  # torch's float32 addcmul is a fused multiply-add
+        r = None if fused else torch.empty(nb, t, n, dtype=torch.float32)
+        if fused:
+            y.zero_()
         for b in range(nb):
             sums = torch._int_mm(codes[b], parts[b])  # [T, 2N] int32, exact
             s = torch.add(sums[:, n:], sums[:, :n], alpha=64)  # |s| < 2^27: exact in int32
-            torch.mul(s, d_w[b], out=r[b])  # float(s) * d_w, as the kernel rounds it
-        _accumulate(r.numpy(), d_x.t().contiguous().numpy(), y.numpy(), self.arithmetic)
+            if r is None:
+                torch.addcmul(y, torch.mul(s, d_w[b]), d_x[b].unsqueeze(1), out=y)  # float(s) * d_w, then the fma
+            else:
+                torch.mul(s, d_w[b], out=r[b])
+        if r is not None:
+            _accumulate(r.numpy(), d_x.numpy(), y.numpy(), self.arithmetic)
         return y
 
 
 _CHAIN_ROWS = 32  # rows of a step of `_accumulate`: its float64 temporaries stay in the cache
+
+
+@functools.cache
+def fused_addcmul() -> bool:
+    """Whether torch's float32 `addcmul(c, a, b)` rounds a * b + c once on this build and CPU, broadcast row factors
+    and vector tails included (its kernel is `c + a * b`, which the compiler contracts into an FMA where it may):
+    checked against `fma32` on cases where one rounding and two differ."""
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((1, 1), (3, 5), (2, 16), (5, 33), (7, 640), (4, 1027)):
+        a = torch.randn(rows, cols, generator=g)
+        b = torch.randn(rows, 1, generator=g)
+        c = torch.randn(rows, cols, generator=g) * torch.logspace(-8, 2, cols).unsqueeze(0)
+        if not torch.equal(torch.addcmul(c, a, b), fma32(a, b, c)):
+            return False
+        out = c.clone()
+        if not torch.equal(torch.addcmul(out, a, b, out=out), fma32(a, b, c)):
+            return False
+    return True
 
 
 def _accumulate(r: np.ndarray, d_x: np.ndarray, out: np.ndarray, arithmetic: str) -> None:

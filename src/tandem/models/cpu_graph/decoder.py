@@ -34,7 +34,7 @@ from tandem.models.blocks import Block
 from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
 from tandem.models.decoder import DecoderModel
 from tandem.quant.ggml_cpu import expert_ffn_nodes
-from tandem.quant.ggml_tiled import TILED_MIN_ROWS
+from tandem.quant.ggml_tiled import Q8_K_BYTES, TILED_MIN_ROWS
 from tandem.quant.ggml_weights import GGMLWeight
 from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
@@ -410,12 +410,19 @@ class _StepBuilder:
         if tiled is None or rows < TILED_MIN_ROWS:
             return self._linear(down, hidden), x
         d, f = down.weight.shape
-        into = torch.empty(rows, f, dtype=torch.float32)
         residual = torch.empty(rows, d, dtype=torch.float32)
         out = torch.empty(rows, d, dtype=torch.float32)
-        self.b.output(hidden, into)
-        self.b.output(x, residual)
-        self.b.cut(lambda: tiled.matmul(into, out))
+        if tiled.int8:  # the activations leave the graph quantized to Q8_K by ggml, as the kernel quantizes them
+            blocks = torch.empty(rows, f // 256 * Q8_K_BYTES, dtype=torch.uint8)
+            q8 = self.b.leaf(ggml.GGML_TYPE_Q8_K, (f, rows), blocks.data_ptr(), blocks)
+            self.b.expand(ggml.ggml_cpy(ctx, hidden, q8))
+            self.b.output(x, residual)
+            self.b.cut(lambda: tiled.matmul_q8_k(blocks, out))
+        else:
+            into = torch.empty(rows, f, dtype=torch.float32)
+            self.b.output(hidden, into)
+            self.b.output(x, residual)
+            self.b.cut(lambda: tiled.matmul(into, out))
         return self.b.torch_leaf(out), self.b.torch_leaf(residual)
 
     def _moe(self, moe: MoE, h: Tensor) -> Tensor:
