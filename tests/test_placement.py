@@ -150,8 +150,8 @@ def test_sizes() -> None:
 
 
 def test_paths_not_built_fail_before_loading(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
-    with pytest.raises(PlacementError, match="--tp 2"):
-        tandem.LLM(tiny_qwen3moe_gguf[1], device="cuda", tp=2)
+    with pytest.raises(PlacementError, match="--pcie-experts 1: not built under --tp 2"):
+        tandem.LLM(tiny_qwen3moe_gguf[1], device="cuda", tp=2, pcie_experts=1)
 
 
 def test_inspect_is_a_dry_run_of_a_gpu_plan(

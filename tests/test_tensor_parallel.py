@@ -1,4 +1,5 @@
-"""--tp N (docs/TENSOR_PARALLEL.md): each rank's slices and plan, checked without loading anything."""
+"""--tp N (docs/TENSOR_PARALLEL.md): each rank's slices and plan, checked without loading anything; then the ranks run
+on the CPU (gloo, 2 ranks) and give --tp 1's greedy tokens on the tiny model of every family."""
 
 from __future__ import annotations
 
@@ -7,13 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+import tandem
 from tandem.cli.main import main
-from tandem.errors import PlacementError
+from tandem.errors import PlacementError, TandemError
 from tandem.gguf import open_gguf
+from tandem.layers.moe import Routing
+from tandem.layers.parallel import ExpertSubset, local_routing
 from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.placement.tp import check_tp_flags, plan_tensor_parallel
+from tandem.runtime.tp import SlotStep, decode_step, encode_step, follow
+from tandem.runtime.tp_cores import CPU, rank_cores
 
 FAMILIES = ["tiny_qwen3_gguf", "tiny_gemma3_gguf", "tiny_qwen3moe_gguf", "tiny_qwen35moe_gguf", "tiny_qwen3next_gguf",
             "tiny_gpt_oss_gguf", "tiny_gemma4_gguf"]  # fmt: skip
@@ -168,3 +175,126 @@ def test_inspect_shows_each_rank(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: 
     assert main(["inspect", "-m", path, "--device", "cuda", "--tp", "2", "-c", "128", "--tensors"]) == 0
     text = capsys.readouterr().out
     assert "tensor parallel: 2 ranks (nccl)" in text and "rank 1 (cuda:1)" in text
+
+
+# -- pieces of the execution ------------------------------------------------------------------------------------------
+
+
+def test_rank_cores_are_disjoint_and_follow_the_nodes() -> None:
+    two_nodes = [CPU(node=c // 8, core=c % 4, package=c // 8, cpu=c) for c in range(16)]  # 2 x 4 cores x 2 threads
+    assert rank_cores(two_nodes, 2) == [[0, 1, 2, 3], [8, 9, 10, 11]]  # a node each, one thread per core
+    one_node = [CPU(node=0, core=c, package=0, cpu=c) for c in range(8)]
+    assert rank_cores(one_node, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rank_cores(one_node[:2], 2) == [[0], [1]]
+    assert rank_cores(one_node[:1], 2) == [[0], [0]]  # fewer CPUs than ranks: shared
+
+
+def test_a_rank_computes_only_its_experts() -> None:
+    ids = torch.tensor([[0, 5], [6, 7], [1, 2]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    local = local_routing(Routing(ids, weights), first=4, count=4)  # experts 4..7
+    assert local.ids.tolist() == [[1, 1], [2, 3], [3, 3]]  # others' slots: the token's own (else the step's) expert
+    assert torch.equal(local.weights, torch.tensor([[0.0, 0.4], [0.7, 0.3], [0.0, 0.0]]))
+
+    calls = []
+
+    def experts(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        calls.append(routing)
+        return torch.ones(x.shape[0], x.shape[1])
+
+    subset = ExpertSubset(experts, first=4, count=4)
+    x = torch.zeros(3, 8)
+    assert subset(x, Routing(ids, weights)).sum() == 24 and calls[-1].ids.tolist() == [[1, 1], [2, 3], [3, 3]]
+    none = subset(x, Routing(torch.tensor([[0, 1]] * 3), weights))
+    assert len(calls) == 1 and not none.any()  # no token selects this rank's experts: none is read
+
+
+def test_steps_travel_as_rank_0_runs_them() -> None:
+    steps = [SlotStep(0, 5, (4,), (7, 8, 9)), SlotStep(2, 0, (), (3,))]
+    assert decode_step(encode_step(steps, True)) == (steps, True)
+
+    class Cache:
+        def __init__(self) -> None:
+            self.length, self.checkpoints = 9, [(4, None)]
+
+        def truncate(self, n: int) -> None:
+            self.length = min(self.length, n)
+
+        def checkpoint(self) -> None:
+            self.checkpoints.append((self.length, None))
+
+    class Pool:
+        caches = [Cache()]
+
+    pool = Pool()
+    follow(pool, SlotStep(0, 5, (4, 5), (1,)))  # type: ignore[arg-type]
+    assert pool.caches[0].length == 5 and [at for at, _ in pool.caches[0].checkpoints] == [4, 5]
+    with pytest.raises(TandemError, match="out of step with rank 0"):
+        follow(pool, SlotStep(0, 6, (4, 5), (1,)))  # type: ignore[arg-type]
+
+
+# -- the ranks, on the CPU (gloo) ----------------------------------------------------------------------------------
+
+OPTS = {"device": "cpu", "n_ctx": 128, "threads": 1, "cache_type": "f32"}  # f32 throughout
+PROMPT = list(range(5, 25))
+
+
+@pytest.mark.parametrize("fixture", [*FAMILIES, "tiny_gemma4_q8_0_gguf"])
+def test_greedy_tokens_with_tp_2_equal_tp_1(fixture: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(fixture)[1]
+    with tandem.LLM(path, **OPTS) as llm:
+        want = llm.generate_ids(PROMPT, max_tokens=8, temperature=0)
+        want_logits = llm.logits(PROMPT[:6])
+    with tandem.LLM(path, tp=2, **OPTS) as llm:
+        assert llm.tp is not None and [r["device"] for r in llm.tp.reports()] == ["cpu", "cpu"]
+        assert llm.generate_ids(PROMPT, max_tokens=8, temperature=0) == want
+        logits = llm.logits(PROMPT[:6])
+    assert np.abs(logits - want_logits).max() <= 1e-4 * max(1.0, float(np.abs(want_logits).max()))
+
+
+def _serve(llm: tandem.LLM) -> tuple[list[list[int]], str, str]:
+    """Four requests over two slots (chunked prefill beside decode, one prompt sharing another's prefix), then two
+    chat turns (the second resumes the first's slot, from a recurrent checkpoint)."""
+    from tandem.runtime.sampling import Sampler, SamplingParams
+
+    prompts = [list(range(5, 30)), list(range(40, 47)), [*range(5, 20), 99, 100], list(range(60, 90))]
+    seqs = [llm.engine.add_request(p, Sampler(SamplingParams(temperature=0)), 6 + i, frozenset())
+            for i, p in enumerate(prompts)]  # fmt: skip
+    while llm.engine.has_work:
+        llm.engine.step()
+    messages = [{"role": "user", "content": "The harbour was quiet"}]
+    first = llm.chat(messages, max_tokens=5, temperature=0)
+    assert isinstance(first, str)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "and then?"}]
+    second = llm.chat(messages, max_tokens=5, temperature=0)
+    assert isinstance(second, str)
+    return [s.tokens[len(s.prompt) :] for s in seqs], first, second
+
+
+def test_the_batched_engine_under_tp(tiny_qwen35moe_gguf: tuple[Path, Path]) -> None:
+    opts = {**OPTS, "n_parallel": 2, "n_batch": 16}
+    with tandem.LLM(tiny_qwen35moe_gguf[1], **opts) as llm:
+        want = _serve(llm)
+    with tandem.LLM(tiny_qwen35moe_gguf[1], tp=2, **opts) as llm:
+        assert _serve(llm) == want
+
+
+def test_a_rank_that_dies_is_one_line_and_the_model_refuses_after(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    with tandem.LLM(tiny_qwen3moe_gguf[1], tp=2, **OPTS) as llm:
+        assert llm.tp is not None
+        process = llm.tp.ranks.processes[0]
+        process.kill()
+        process.wait()
+        with pytest.raises(TandemError, match="--tp 2: rank 1: exited with code -9"):
+            llm.generate_ids(PROMPT, max_tokens=2, temperature=0)
+        with pytest.raises(TandemError, match="out of step since an earlier error"):
+            llm.generate_ids(PROMPT, max_tokens=2, temperature=0)
+
+
+def test_cli_run_with_tp(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
+    argv = ["run", "-m", str(tiny_qwen3moe_gguf[1]), "--device", "cpu", "-c", "128", "-t", "1", "-p", "The harbour",
+            "-n", "6", "--temp", "0"]  # fmt: skip
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+    assert main([*argv, "--tp", "2"]) == 0
+    assert capsys.readouterr().out == want

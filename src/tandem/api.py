@@ -25,12 +25,16 @@ from tandem.quant.types import check_supported
 from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts, resolve_device
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
+from tandem.runtime.runner import ModelRunner
 from tandem.runtime.sampling import Sampler, SamplingParams, check_option
+from tandem.runtime.tp import RankOptions, TensorParallel
 from tandem.state.kv_cache import CACHE_DTYPES, ContextFullError
 from tandem.tokenizer import Tokenizer
 from tandem.tokenizer.builtin_templates import arch_template_name, builtin_template
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
 from tandem.weights.loader import WeightLoader
+
+TP_EAGER_NOTICE = "--tp: decode runs eagerly on the GPUs (CUDA graphs around the all-reduces are not built yet)"
 
 
 def default_model_path() -> Path:
@@ -164,29 +168,55 @@ class LLM:
             n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize, n_seq=n_parallel
         )
         _check_kv_memory(self.config, shape)
-        self.plan: PlacementPlan = plan_placement(self.file, self.config, request, shape)
-        check_executable(self.plan)
-        check_pcie_experts(self.plan, self.file, self.config, pcie_experts)
-        self.threads = resolve_threads(threads)
-        self.kernels = CPUKernels(self.threads)
-        torch.set_num_threads(self.threads)
-        initialise_vector_math()
-        on_tensor = _progress(self.plan, progress)
-        loader = WeightLoader(
-            self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts,
-            pcie_experts=pcie_experts,
-        )  # fmt: skip
-        self.model = DecoderModel(self.config, loader, arch.build_block)
-        self.placed: dict[str, str] = loader.placed()
-        self.notices: list[str] = loader.notices()
+        # --tp N (docs/TENSOR_PARALLEL.md): this process is rank 0, ranks 1..N-1 are child processes; the plan,
+        # model, kernels and placement below are rank 0's, `tp` has every rank's
+        self.tp: TensorParallel | None = None
+        if request.tp > 1:
+            options = RankOptions(
+                path=str(self.file.path), device=request.device, tp=request.tp, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
+                override_tensor=tuple(override_tensor or ()), gpu_memory=request.gpu_memory,
+                n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_batch=n_batch, n_parallel=n_parallel, cache_type=cache_type,
+                dtype=dtype, repack_experts=repack_experts,
+            )  # fmt: skip
+            self.tp = TensorParallel.start(
+                self.file, self.config, options, threads if threads and threads > 0 else None, pcie_experts
+            )
+            initialise_vector_math()
+            self.plan: PlacementPlan = self.tp.plan.ranks[0].plan
+            self.threads = self.tp.threads
+            self.kernels = self.tp.rank0.kernels
+            self.model = self.tp.rank0.model
+            self.placed: dict[str, str] = self.tp.rank0.placed
+            eager = [TP_EAGER_NOTICE] if request.device != "cpu" and cuda_graphs else []
+            self.notices: list[str] = self.tp.rank0.notices + eager
+        else:
+            self.plan = plan_placement(self.file, self.config, request, shape)
+            check_executable(self.plan)
+            check_pcie_experts(self.plan, self.file, self.config, pcie_experts)
+            self.threads = resolve_threads(threads)
+            self.kernels = CPUKernels(self.threads)
+            torch.set_num_threads(self.threads)
+            initialise_vector_math()
+            on_tensor = _progress(self.plan, progress)
+            loader = WeightLoader(
+                self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts,
+                pcie_experts=pcie_experts,
+            )  # fmt: skip
+            self.model = DecoderModel(self.config, loader, arch.build_block)
+            self.placed = loader.placed()
+            self.notices = loader.notices()
         self.n_ctx = n_ctx
         self._max_token_bytes: int | None = None  # see _check_fits
         self.engine = Engine(
-            self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel
-        )
+            self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel,
+            runner=self.tp.runner if self.tp is not None else ModelRunner,
+        )  # fmt: skip
 
     def placement_summary(self) -> dict[str, int]:
-        """Bytes of weights per device, read back from where the loaded tensors actually are."""
+        """Bytes of weights per device, read back from where the loaded tensors actually are (under --tp: on every
+        rank, `TensorParallel.placement_summary`)."""
+        if self.tp is not None:
+            return self.tp.placement_summary()
         totals: dict[str, int] = {}
         for name, device in self.placed.items():
             totals[device] = totals.get(device, 0) + self.file.tensors[name].n_bytes
@@ -364,7 +394,10 @@ class LLM:
         return arch_template_name(self.config.arch)
 
     def close(self) -> None:
-        """Release the kernels' thread pool; the object is unusable afterwards."""
+        """Release the kernels' thread pool (under --tp: stop the other ranks too); the object is unusable
+        afterwards."""
+        if self.tp is not None:
+            self.tp.close()
         self.kernels.close()
 
     def __enter__(self) -> LLM:

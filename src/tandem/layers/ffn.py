@@ -53,19 +53,39 @@ class RoutedFFN:
 
     def start(self, x: torch.Tensor) -> Pending:
         """The branch, its result asked for later (the experts may compute on the host meanwhile)."""
-        routing = self.router(x)  # on the un-normalised input
-        pending = start_experts(self.experts, _maybe_norm(x, self.expert_norm, self.eps), routing)
+        pending = self.start_experts(x)
         return lambda: _maybe_norm(pending(), self.post_norm, self.eps)
+
+    def start_experts(self, x: torch.Tensor) -> Pending:
+        """The branch before its output norm (under --tp, a rank's partial sum: the norm comes after the sum)."""
+        routing = self.router(x)  # on the un-normalised input
+        return start_experts(self.experts, _maybe_norm(x, self.expert_norm, self.eps), routing)
 
 
 @dataclass
 class ParallelFFN:
     """dense(x) + sparse(x): two independent branches on the same input; the dense one runs on the GPU
-    while experts in host RAM compute the sparse one."""
+    while experts in host RAM compute the sparse one.
+
+    Under --tp (`reduce` set) each branch is a rank's partial sum until its output norm: both are summed over the
+    ranks in one all-reduce of [T, 2D], then normed and added."""
 
     dense: FFN
     sparse: RoutedFFN
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            return self._reduced(x, self.reduce)
         sparse = self.sparse.start(x)
         return self.dense(x) + sparse()
+
+    def _reduced(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        dense = self.dense
+        if not isinstance(dense, NormedFFN):
+            raise TypeError("a tensor-parallel ParallelFFN needs its dense branch as a NormedFFN")
+        sparse = self.sparse.start_experts(x)
+        d = dense.ffn(_maybe_norm(x, dense.pre_norm, dense.eps))  # [T, D]
+        both = reduce(torch.cat([d, sparse().to(d.dtype)], dim=-1))  # [T, 2D]: one all-reduce for both branches
+        d, s = both.split(d.shape[-1], dim=-1)
+        return _maybe_norm(d, dense.post_norm, dense.eps) + _maybe_norm(s, self.sparse.post_norm, self.sparse.eps)

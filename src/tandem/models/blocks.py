@@ -13,9 +13,11 @@ import torch
 
 from tandem.layers.activations import Gated, activation
 from tandem.layers.attention import Attention, AttentionShape
+from tandem.layers.ffn import ParallelFFN
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import GLUExperts, MoE, SoftmaxTopKRouter
 from tandem.layers.norm import add_rms_norm, rms_norm
+from tandem.layers.parallel import Reduce
 from tandem.layers.rope import Rope, RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig
 from tandem.state.batch import StepBatch
@@ -44,9 +46,25 @@ class Block:
     post_ffn_norm: torch.Tensor | None
     eps: float
     out_scale: torch.Tensor | None = None  # multiplies the block's output (Gemma 4's layer scalar)
+    # Tensor parallel (--tp): the mixer's and the FFN's outputs are this rank's partial sums, which these add up over
+    # the ranks (None: one rank, or an FFN that reduces itself); see `reduce_with`.
+    mixer_reduce: Reduce | None = None
+    ffn_reduce: Reduce | None = None
+
+    def reduce_with(self, reduce: Reduce) -> None:
+        """Sum the mixer's and the FFN's partial outputs over the ranks with `reduce`, before any post-norm: one
+        all-reduce each. An FFN of two branches normed after their sums (Gemma 4's ParallelFFN) reduces both in one
+        call itself."""
+        self.mixer_reduce = reduce
+        if isinstance(self.ffn, ParallelFFN):
+            self.ffn.reduce = reduce
+        else:
+            self.ffn_reduce = reduce
 
     def __call__(self, x: torch.Tensor, batch: StepBatch, pool: Any) -> torch.Tensor:
         h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), batch, pool)
+        if self.mixer_reduce is not None:
+            h = self.mixer_reduce(h)
         if self.post_mixer_norm is not None:
             h = rms_norm(h, self.post_mixer_norm, self.eps)
         if self.ffn_norm is None:
@@ -55,6 +73,8 @@ class Block:
         else:  # one kernel on CUDA for the residual add and the norm
             x, normed = add_rms_norm(x, h, self.ffn_norm, self.eps)
             h = self.ffn(normed)
+        if self.ffn_reduce is not None:
+            h = self.ffn_reduce(h)
         if self.post_ffn_norm is not None:
             h = rms_norm(h, self.post_ffn_norm, self.eps)
         x = x + h

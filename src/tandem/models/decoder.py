@@ -9,6 +9,7 @@ import torch
 
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
+from tandem.layers.parallel import Reduce
 from tandem.models.blocks import BlockBuilder, RopeCache, standard_block
 from tandem.models.config import ModelConfig
 from tandem.state.batch import StepBatch
@@ -17,10 +18,21 @@ from tandem.weights.loader import QuantEmbedding, WeightLoader
 
 
 class DecoderModel:
-    """Embedding, blocks, final norm and output head, built from a WeightLoader."""
+    """Embedding, blocks, final norm and output head, built from a WeightLoader.
 
-    def __init__(self, cfg: ModelConfig, loader: WeightLoader, build_block: BlockBuilder = standard_block) -> None:
+    Under --tp, `cfg` and the loader are one rank's (its share of the heads, its slices of the weights) and `reduce`
+    sums each block's partial outputs over the ranks (docs/TENSOR_PARALLEL.md); the embedding and the head are whole
+    on every rank."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        loader: WeightLoader,
+        build_block: BlockBuilder = standard_block,
+        reduce: Reduce | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.reduce = reduce
         self.device = loader.compute_device
         self.dtype = loader.act_dtype  # of the hidden state
         self.embed: QuantEmbedding = loader.embedding("token_embd.weight")
@@ -31,6 +43,9 @@ class DecoderModel:
         ropes = RopeCache()
         self.ropes = ropes
         self.blocks = [build_block(cfg, i, spec, loader, ropes) for i, spec in enumerate(cfg.layers)]
+        if reduce is not None:
+            for block in self.blocks:
+                block.reduce_with(reduce)
         self.host_boundaries = list(loader.host_boundaries)  # where a captured decode step must run host code
 
     @torch.inference_mode()

@@ -26,9 +26,7 @@ def resolve_device(device: str | None, n_gpu_layers: int | None = None) -> str:
 
 def check_executable(plan: PlacementPlan) -> None:
     """Raise a one-line PlacementError, naming the flag, for any part of the plan no path can run."""
-    req = plan.request
-    if req.tp > 1:
-        raise PlacementError(f"--tp {req.tp}: tensor-parallel execution is not built yet; use --tp 1")
+    req = plan.request  # under --tp: one rank's plan (its device; runtime/tp.py checks the others)
     gpus = sorted({d for d in plan.devices.values() if d != "cpu"} | ({req.device} - {"cpu"}))
     if not gpus:
         return
@@ -45,8 +43,8 @@ def check_executable(plan: PlacementPlan) -> None:
             raise PlacementError(f"--device/-ot {d}: only {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})")
     if len(gpus) > 1 or gpus[0] != req.device:
         raise PlacementError(
-            f"-ot/--override-tensor {', '.join(gpus)}: tensors on a GPU other than --device {req.device} need "
-            f"tensor parallelism (--tp), which is not built yet"
+            f"-ot/--override-tensor {', '.join(gpus)}: tandem computes on one GPU per rank (--device "
+            f"{req.device}): put tensors there or on the CPU (--tp N splits the model over N GPUs)"
         )
     try:
         import triton  # noqa: F401

@@ -8,7 +8,7 @@ that are done. `LLM.generate` and `tandem run` are a batch of one through the sa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
@@ -20,6 +20,11 @@ from tandem.runtime.sampling import Sampler, sample_rows
 from tandem.runtime.scheduler import Scheduler, reuse_prefix
 from tandem.runtime.sequence import Sequence
 from tandem.state.kv_cache import ContextFullError, KVCache
+from tandem.state.pool import StatePool
+
+# Makes the engine's runner from the model, the state pool and whether decode may be captured (ModelRunner; under
+# --tp rank 0's TPRunner, which sends each step to the other ranks).
+RunnerFactory = Callable[[DecoderModel, StatePool, bool], ModelRunner]
 
 
 @dataclass
@@ -42,12 +47,13 @@ class Engine:
         n_batch: int = 512,
         graphs: bool = True,
         n_slots: int = 1,
+        runner: RunnerFactory = ModelRunner,
     ) -> None:
         self.model = model
         self.n_batch = n_batch
         self.n_ctx = n_ctx
         self.pool = model.new_pool(n_slots, n_ctx, cache_dtype, n_batch)
-        self.runner = ModelRunner(model, self.pool, graphs)
+        self.runner = runner(model, self.pool, graphs)
         self.scheduler = Scheduler(self.pool, n_batch)
         self._ids = itertools.count()
 

@@ -29,7 +29,7 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def _capturable(model: DecoderModel) -> bool:
-    if model.device.type != "cuda":
+    if model.device.type != "cuda" or model.reduce is not None:  # under --tp decode runs eagerly (not built yet)
         return False
     from tandem.cuda.delta_net import step_fits
 
@@ -78,7 +78,8 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, pool: StatePool, graphs: bool = True) -> None:
         self.model, self.pool = model, pool
         self.capturable = graphs and _capturable(model)
-        self.cpu_graph = StepGraph.create(model, pool)  # a CPU step as ggml graphs, where they cover the model
+        # a CPU step as ggml graphs, where they cover the model (a whole one: not a rank's under --tp)
+        self.cpu_graph = StepGraph.create(model, pool) if model.reduce is None else None
         self._graphs: dict[int, DecodeGraph] = {}
         self._warm: set[int] = set()  # buckets run once eagerly: that run compiles what the capture records
 
