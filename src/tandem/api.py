@@ -15,11 +15,13 @@ import torch
 
 from tandem.errors import TandemError
 from tandem.gguf import GGUFFile, TensorInfo, metadata_errors, open_gguf
+from tandem.layers.moe import RoutingCounts
 from tandem.models import architecture, read_config
 from tandem.models.config import ModelConfig
 from tandem.models.decoder import DecoderModel
 from tandem.placement import PlacementPlan, PlacementRequest, RuntimeShape, plan_placement
 from tandem.placement.plan import kv_cache_bytes
+from tandem.placement.stats import ExpertStats
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
 from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts, resolve_device
@@ -121,6 +123,8 @@ class LLM:
         progress: Callable[[int, int], None] | None = None,
         repack_experts: bool = False,
         pcie_experts: int = 0,
+        moe_cache: str | int | None = None,
+        expert_stats: str | os.PathLike[str] | None = None,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
@@ -138,6 +142,10 @@ class LLM:
         `--cpu-moe` experts in the file). pcie_experts: K > 0 has the GPU compute the last K of each decode token's
         selected experts kept in host RAM, reading their blocks there over PCIe (no copy, no VRAM) while the CPU
         computes the others (weights/offload.py); 0, the default, leaves them all to the CPU, as llama.cpp does.
+        moe_cache: VRAM (bytes, or a size such as "8GiB") for single experts of the layers kept in host RAM
+        (--moe-cache); with gpu_memory the VRAM left is filled with experts too (placement/experts.py).
+        expert_stats: a routing-statistics file (--expert-stats): read at the start (it must be this model's)
+        to choose the experts kept in VRAM, counted into on the GPU, written back by close().
         """
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
@@ -163,11 +171,17 @@ class LLM:
             gpu_memory=gpu_memory,
             tp=tp,
             n_gpu_layers=n_gpu_layers,
+            moe_cache=moe_cache,
         )
         shape = RuntimeShape(
             n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize, n_seq=n_parallel
         )
         _check_kv_memory(self.config, shape)
+        # --expert-stats FILE: the routing statistics that choose the cached experts, counted into, saved at close
+        if request.tp > 1 and (request.moe_cache is not None or expert_stats is not None):
+            raise TandemError("--moe-cache, --expert-stats: not built under --tp yet; drop them or --tp")
+        self.expert_stats = None if expert_stats is None else ExpertStats.open(expert_stats, self.file, self.config)
+        self.routing_counts: RoutingCounts | None = None
         # --tp N (docs/TENSOR_PARALLEL.md): this process is rank 0, ranks 1..N-1 are child processes; the plan,
         # model, kernels and placement below are rank 0's, `tp` has every rank's
         self.tp: TensorParallel | None = None
@@ -190,7 +204,7 @@ class LLM:
             eager = [TP_EAGER_NOTICE] if request.device != "cpu" and cuda_graphs else []
             self.notices: list[str] = self.tp.rank0.notices + eager
         else:
-            self.plan = plan_placement(self.file, self.config, request, shape)
+            self.plan = plan_placement(self.file, self.config, request, shape, **self._placement_stats())
             check_executable(self.plan)
             check_pcie_experts(self.plan, self.file, self.config, pcie_experts)
             self.threads = resolve_threads(threads)
@@ -201,6 +215,7 @@ class LLM:
             loader = WeightLoader(
                 self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts,
                 pcie_experts=pcie_experts,
+                routing_counts=self._new_routing_counts(request.device),
             )  # fmt: skip
             self.model = DecoderModel(self.config, loader, arch.build_block)
             self.placed = loader.placed()
@@ -211,6 +226,31 @@ class LLM:
             self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel,
             runner=self.tp.runner if self.tp is not None else ModelRunner,
         )  # fmt: skip
+
+    def _placement_stats(self) -> dict[str, Any]:
+        """plan_placement's routing statistics: the file's counts, when it has any."""
+        stats = self.expert_stats
+        if stats is None or stats.total == 0:
+            return {}
+        return {"expert_counts": stats.counts, "counts_label": f"--expert-stats {stats.path} ({stats.total:,} picks)"}
+
+    def _new_routing_counts(self, device: str) -> RoutingCounts | None:
+        """The device counter of every layer's expert picks, with --expert-stats."""
+        moe = self.config.moe
+        if self.expert_stats is not None and moe is not None:
+            self.routing_counts = RoutingCounts.zeros(self.config.n_layers, moe.n_experts, moe.n_active,
+                                                      torch.device(device))  # fmt: skip
+        return self.routing_counts
+
+    def save_expert_stats(self) -> None:
+        """Add the picks counted since the start (or the last save) to --expert-stats' file and write it (waits
+        for the device); close() does it too."""
+        if self.expert_stats is None or self.routing_counts is None:
+            return
+        counts = self.routing_counts.read()
+        self.routing_counts.counts.zero_()
+        self.expert_stats.add(counts.numpy())
+        self.expert_stats.save()
 
     def placement_summary(self) -> dict[str, int]:
         """Bytes of weights per device, read back from where the loaded tensors actually are (under --tp: on every
@@ -396,6 +436,7 @@ class LLM:
     def close(self) -> None:
         """Release the kernels' thread pool (under --tp: stop the other ranks too); the object is unusable
         afterwards."""
+        self.save_expert_stats()
         if self.tp is not None:
             self.tp.close()
         self.kernels.close()

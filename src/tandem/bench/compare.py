@@ -281,6 +281,8 @@ class Comparison:
             own = ["--repack-experts"] if s.repack_experts else []  # tandem's own options
             if i in self.pcie_rows:
                 own += ["--pcie-experts", str(s.pcie_experts)]
+            if s.expert_stats is not None:
+                own += ["--expert-stats", s.expert_stats]
             worker = [sys.executable, "-m", "tandem.bench.worker"]
             return [*worker, "-m", s.model, *self.placements[i].argv(), *dtype, *own, *common]
         params = self.llama[i]
@@ -456,6 +458,7 @@ def settings_from_args(args: Any) -> BenchSettings:
         dtype=getattr(args, "dtype", None),
         repack_experts=getattr(args, "repack_experts", False),
         pcie_experts=getattr(args, "pcie_experts", 0),
+        expert_stats=getattr(args, "expert_stats", None),
         process_reps=getattr(args, "process_reps", None),
     )
     settings.validate()
@@ -483,6 +486,7 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
         gpu_memory=args.gpu_memory,
         tp=args.tp,
         n_gpu_layers=args.n_gpu_layers,
+        moe_cache=getattr(args, "moe_cache", None),
     )
     f = open_gguf(settings.model)
     cfg = read_config(f)

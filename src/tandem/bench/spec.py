@@ -30,6 +30,7 @@ class Placement:
     gpu_memory: str | None = None
     tp: int = 1
     n_gpu_layers: int | None = None
+    moe_cache: str | None = None  # tandem's expert cache; llama.cpp's row keeps those layers' experts in host RAM
 
     def request(self) -> PlacementRequest:
         """The validated request (raises PlacementError, a usage error, for bad flags)."""
@@ -41,6 +42,7 @@ class Placement:
             gpu_memory=self.gpu_memory,
             tp=self.tp,
             n_gpu_layers=self.n_gpu_layers,
+            moe_cache=self.moe_cache,
         )
 
     def argv(self) -> list[str]:
@@ -54,6 +56,8 @@ class Placement:
             out.append(f"--override-tensor={ot}")  # '=' form: a regex may start with '-'
         if self.gpu_memory is not None:
             out += ["--gpu-memory", self.gpu_memory]
+        if self.moe_cache is not None:
+            out += ["--moe-cache", self.moe_cache]
         if self.tp != 1:
             out += ["--tp", str(self.tp)]
         return out  # not -ngl: checked by request(), it has no effect once the device is resolved
@@ -151,6 +155,7 @@ class BenchSettings:
     process_reps: int | None = None  # repetitions per worker process (None: the reps in two processes per engine)
     repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
     pcie_experts: int = 0  # tandem's --pcie-experts (llama.cpp computes every --cpu-moe expert on the CPU in decode)
+    expert_stats: str | None = None  # tandem's --expert-stats: each tandem worker reads and adds to the file
 
     def process_plan(self, n_engines: int) -> list[int]:
         """Repetitions of each of a row's worker processes, in order (compare.py's schedule): `process_reps` each

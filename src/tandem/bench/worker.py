@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n_gpu_layers=args.n_gpu_layers,
         repack_experts=args.repack_experts,
         pcie_experts=args.pcie_experts,
+        moe_cache=args.moe_cache,
+        expert_stats=args.expert_stats,
         **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
     )
     on_gpu = llm.plan.compute_device != "cpu"

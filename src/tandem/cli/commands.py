@@ -16,7 +16,7 @@ from tandem.api import LLM, default_model_path
 from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
-from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement import ExpertStats, PlacementRequest, RuntimeShape, expert_layer, plan_placement
 from tandem.placement.tp import check_tp_flags, plan_tensor_parallel
 from tandem.runtime.devices import check_pcie_experts, resolve_device
 from tandem.runtime.sampling import check_option
@@ -42,6 +42,7 @@ def _load(args: argparse.Namespace) -> LLM:
             n_parallel=args.parallel,
             repack_experts=args.repack_experts,
             pcie_experts=args.pcie_experts,
+            expert_stats=args.expert_stats,
             **_placement(args),
         )
     print(_placement_line(llm), file=sys.stderr)
@@ -95,6 +96,7 @@ def _placement(args: argparse.Namespace) -> dict[str, object]:
         "n_cpu_moe": args.n_cpu_moe,
         "override_tensor": args.override_tensor,
         "gpu_memory": args.gpu_memory,
+        "moe_cache": args.moe_cache,
         "tp": args.tp,
         "n_gpu_layers": args.n_gpu_layers,
     }
@@ -229,7 +231,10 @@ def inspect(args: argparse.Namespace) -> int:
         n_ctx=args.ctx_size, n_batch=args.batch_size, cache_bytes_per_value=CACHE_DTYPES[args.cache_type].itemsize,
         n_seq=args.parallel,
     )  # fmt: skip
-    plan = plan_placement(f, cfg, request, shape)
+    stats = ExpertStats.open(args.expert_stats, f, cfg) if args.expert_stats else None
+    counts = {} if stats is None or not stats.total else {"expert_counts": stats.counts,
+                                                          "counts_label": f"--expert-stats {stats.path}"}  # fmt: skip
+    plan = plan_placement(f, cfg, request, shape, **counts)  # type: ignore[arg-type]
     check_pcie_experts(plan, f, cfg, args.pcie_experts)
     tp = None
     if request.tp > 1:  # each rank's slices and plan (docs/TENSOR_PARALLEL.md)
@@ -322,11 +327,16 @@ def _print_inspect(summary: dict, show_tensors: bool) -> None:
         vram.add_row(f"KV cache ({summary['parallel']} x {summary['n_ctx']} tokens)", _mib(plan["kv_bytes"]))
         vram.add_row("workspace", _mib(plan["workspace_bytes"]))
         vram.add_row("expert staging (prefill)", _mib(plan["staging_bytes"]))
+        if plan["expert_cache"]["bytes"]:
+            n = sum(plan["expert_cache"]["experts_per_layer"].values())
+            vram.add_row(f"expert cache ({n} experts)", _mib(plan["expert_cache"]["bytes"]))
         vram.add_row("total", _mib(plan["expected_gpu_bytes"]))
         console.print(vram)
     if plan["cpu_expert_layers"]:
         layers = plan["cpu_expert_layers"]
         console.print(f"experts on the CPU: {len(layers)} layers ({layers[0]}..{layers[-1]})")
+    if plan["expert_cache"]["bytes"]:
+        console.print(_cache_lines(plan["expert_cache"], summary["experts"]["count"]))
     if summary["pcie_experts"]:
         console.print(
             f"decode: the GPU computes {summary['pcie_experts']} of each token's {summary['experts']['active']} "
@@ -365,6 +375,21 @@ def _print_tensor_parallel(console: Any, tp: dict, show_tensors: bool) -> None:
         for name, t in r["tensors"].items():
             table.add_row(name, t["split"], "x".join(map(str, t["shape"])), _mib(t["bytes"]), t["device"])
         console.print(table)
+
+
+def _cache_lines(cache: dict, n_experts: int) -> str:
+    """Experts cached in VRAM per layer, runs of layers with the same count on one line."""
+    per = {int(k): v for k, v in cache["experts_per_layer"].items()}
+    runs: list[tuple[int, int, int]] = []
+    for layer in sorted(per):
+        if runs and runs[-1][1] == layer - 1 and runs[-1][2] == per[layer]:
+            runs[-1] = (runs[-1][0], layer, per[layer])
+        else:
+            runs.append((layer, layer, per[layer]))
+    lines = [f"experts cached in VRAM beside host RAM ({cache['source']}):"]
+    for a, b, n in runs:
+        lines.append(f"  layer{'s' if b > a else ''} {a}{'..' + str(b) if b > a else ''}: {n} of {n_experts}")
+    return "\n".join(lines)
 
 
 def convert(args: argparse.Namespace) -> int:

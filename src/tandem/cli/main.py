@@ -70,7 +70,22 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
         "--gpu-memory",
         default=None,
         metavar="BUDGET",
-        help="VRAM budget (e.g. 24GiB): fit weights, KV cache and experts into it",
+        help="VRAM budget (e.g. 24GiB): the non-expert weights, KV cache and workspace, then as many experts as fit "
+        "(whole layers or single experts, by --expert-stats)",
+    )
+    p.add_argument(
+        "--moe-cache",
+        default=None,
+        metavar="SIZE",
+        help="VRAM (e.g. 8GiB) for single experts of the layers kept in host RAM (--cpu-moe, --n-cpu-moe, -ot): the "
+        "most picked by --expert-stats, else the lowest ids; each step computes those on the GPU, the rest on the CPU",
+    )
+    p.add_argument(
+        "--expert-stats",
+        default=None,
+        metavar="FILE",
+        help="routing statistics: read at the start to choose the experts kept in VRAM (--moe-cache, --gpu-memory), "
+        "counted on the GPU while running, written back at the end (a file of another model is an error)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     p.add_argument(

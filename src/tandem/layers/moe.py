@@ -119,8 +119,8 @@ class RoutingCounts:
         self.counts[layer].index_add_(0, flat, weights)
 
     def read(self) -> torch.Tensor:
-        """The counts on the host (waits for the device)."""
-        return self.counts.cpu()
+        """A copy of the counts on the host (waits for the device)."""
+        return self.counts.to("cpu", copy=True)
 
 
 @dataclass(eq=False)
@@ -139,8 +139,10 @@ class CountedExperts:
         self.counts.count(self.layer, routing.ids)
         return start_experts(self.inner, x, routing)
 
-    def __getattr__(self, name: str) -> object:  # the wrapped experts' own attributes (host, pcie, ...)
-        if name.startswith("__") or name in ("inner", "counts", "layer"):
+    def __getattr__(self, name: str) -> object:
+        """The wrapped experts' public attributes (host, pcie, ...); not their private ones: a path that computes
+        them from their description (the CPU step graph reads `_graph`) would skip the counting."""
+        if name.startswith("_") or name in ("inner", "counts", "layer"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 

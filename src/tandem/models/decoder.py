@@ -37,6 +37,8 @@ class DecoderModel:
         self.dtype = loader.act_dtype  # of the hidden state
         self.embed: QuantEmbedding = loader.embedding("token_embd.weight")
         self.output_norm = loader.vector("output_norm.weight")
+        # every layer's expert picks (--expert-stats), or None
+        self.routing_counts = getattr(loader, "routing_counts", None)
         # Tied embeddings: the output head reads the embedding table when there is no `output`.
         head = "output.weight" if loader.has("output.weight") else "token_embd.weight"
         self.output: Linear = loader.linear(head)
@@ -63,6 +65,8 @@ class DecoderModel:
     def blocks_and_head(self, x: torch.Tensor, batch: StepBatch, pool: StatePool) -> torch.Tensor:
         """From embeddings x [T, D] to logits: a decode step on a GPU reads positions and slots from the device
         and has fixed shapes, so it can be captured as a CUDA graph."""
+        if self.routing_counts is not None:  # the padding rows of a pooled step are not counted
+            self.routing_counts.begin_step(x.shape[0], batch.slots)
         for block, layer_pool in zip(self.blocks, pool.layers, strict=True):
             x = block(x, batch, layer_pool)
         if batch.logit_rows is not None:
