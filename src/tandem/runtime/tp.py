@@ -140,7 +140,11 @@ class TPGroup:
                                              CONTROL_TIMEOUT)  # fmt: skip
         data_store = dist.PrefixStore("data", self.store)
         if backend == "nccl":
-            self.data = dist.ProcessGroupNCCL(data_store, self.rank, self.size, DATA_TIMEOUT)  # type: ignore[attr-defined]
+            nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
+            try:
+                self.data = nccl(data_store, self.rank, self.size, DATA_TIMEOUT)
+            except TypeError:  # builds whose constructor takes options only
+                self.data = nccl(data_store, self.rank, self.size)
         else:
             self.data = dist.ProcessGroupGloo(data_store, self.rank, self.size, DATA_TIMEOUT)
 
