@@ -87,7 +87,7 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
         help="routing statistics: read at the start to choose the experts kept in VRAM (--moe-cache, --gpu-memory), "
         "counted on the GPU while running, written back at the end (a file of another model is an error)",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: GPUs, or CPU ranks with --device cpu")
     p.add_argument(
         "-ngl",
         "--n-gpu-layers",
