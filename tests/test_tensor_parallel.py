@@ -298,3 +298,42 @@ def test_cli_run_with_tp(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: pytest.C
     want = capsys.readouterr().out
     assert main([*argv, "--tp", "2"]) == 0
     assert capsys.readouterr().out == want
+
+
+def test_serve_under_tp(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    """tandem serve's engine worker thread drives rank 0: two concurrent completions over HTTP equal --tp 1's."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from tandem.server import EngineWorker, create_app, listen
+
+    path = tiny_qwen3moe_gguf[1]
+    prompts = ["The harbour was", "Computers follow"]
+    with tandem.LLM(path, **OPTS) as llm:
+        want = [llm.generate(p, max_tokens=6, temperature=0) for p in prompts]
+    worker = EngineWorker(lambda: tandem.LLM(path, tp=2, n_parallel=2, **OPTS), max_waiting=4)
+    llm = worker.start()
+    sock = listen("127.0.0.1", 0)
+    http = uvicorn.Server(uvicorn.Config(create_app(worker, llm), log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            assert thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+
+        def complete(prompt: str) -> str:
+            body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+            return httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, prompts)) == want
+    finally:
+        http.should_exit = True
+        thread.join(30)
+        worker.stop()
+        sock.close()
