@@ -20,6 +20,7 @@ from tandem.cli.main import main
 from tandem.convert import convert_hf
 from tandem.gguf import open_gguf
 from tandem.layers.ffn import ParallelFFN
+from tandem.runtime.sampling import SamplingParams
 from tandem.tokenizer import chat_template_from_metadata, render_chat
 
 CONVERSATION = [
@@ -161,6 +162,7 @@ def test_gemma4_turn_end_stops_generation(tiny_gemma4_gguf: tuple[Path, Path], m
         class Scripted:  # the sampler: one word, then the end of the turn, then more (never reached)
             def __init__(self, params: object) -> None:
                 self.tokens = iter([word, turn_end, word])
+                self.params = SamplingParams(temperature=1.0)  # not plain greedy: the engine asks this sampler
 
             def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
                 return next(self.tokens)
