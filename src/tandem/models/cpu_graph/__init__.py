@@ -32,7 +32,7 @@ __all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
 # Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
 # a benchmark showed them faster (docs/PERFORMANCE.md).
-DEFAULT_FAMILIES: frozenset[str] = frozenset()
+DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3"})
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 

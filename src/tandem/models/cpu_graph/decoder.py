@@ -40,8 +40,8 @@ from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
-__all__ = ["KV_PAD", "CacheCopies", "StepKey", "StepProgram", "attention_kinds", "build_step", "step_key",
-           "unsupported"]
+__all__ = ["KV_PAD", "QUERY_BLOCK", "CacheCopies", "StepKey", "StepProgram", "attention_kinds", "build_step",
+           "step_key", "unsupported"]
 
 KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV view (layers/attention.py)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
@@ -140,14 +140,25 @@ class CacheCopies:
 
 
 @dataclass(frozen=True)
+class QueryBlock:
+    """Rows [offset, offset + n) of the step, all of one sequence, that attend together: per attention kind the
+    first key position and the key count they read (multiples of KV_PAD; the keys before and after, which none of
+    them sees, are left out, which changes no sum: their probabilities are 0)."""
+
+    offset: int
+    n: int
+    views: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class SeqKey:
-    """A sequence's part of a step, as far as it shapes the graph: its slot, rows, first row, and per attention
-    kind the first key position and the key count read (multiples of KV_PAD)."""
+    """A sequence's part of a step, as far as it shapes the graph: its slot, rows, first row, and its rows' query
+    blocks."""
 
     slot: int
     n: int
     offset: int
-    views: tuple[tuple[int, int], ...]
+    blocks: tuple[QueryBlock, ...]
 
 
 @dataclass(frozen=True)
@@ -160,16 +171,27 @@ class StepKey:
         return sum(s.n for s in self.seqs)
 
 
+QUERY_BLOCK = 64  # rows of a sequence that attend together: in long prompts, fewer keys each block does not see
+
+
 def step_key(batch: StepBatch, windows: Sequence[int | None]) -> StepKey:
     seqs = []
     for span in batch.spans:
-        end = span.start + span.n
-        padded_end = -(-end // KV_PAD) * KV_PAD
-        views = []
-        for window in windows:
-            first = 0 if window is None else max(0, (span.start - window + 1) // KV_PAD * KV_PAD)
-            views.append((first, padded_end - first))
-        seqs.append(SeqKey(span.slot, span.n, span.offset, tuple(views)))
+        blocks = []
+        for r0 in range(0, span.n, QUERY_BLOCK):
+            n = min(QUERY_BLOCK, span.n - r0)
+            if 0 < span.n - r0 - n < 2:  # no block of one row: one row's products sum otherwise (attention.py)
+                n = span.n - r0
+            start = span.start + r0
+            padded_end = -(-(start + n) // KV_PAD) * KV_PAD
+            views = []
+            for window in windows:
+                first = 0 if window is None else max(0, (start - window + 1) // KV_PAD * KV_PAD)
+                views.append((first, padded_end - first))
+            blocks.append(QueryBlock(span.offset + r0, n, tuple(views)))
+            if r0 + n == span.n:
+                break
+        seqs.append(SeqKey(span.slot, span.n, span.offset, tuple(blocks)))
     n_logits = None if batch.logit_rows is None else int(batch.logit_rows.shape[0])
     return StepKey(tuple(seqs), n_logits)
 
@@ -183,7 +205,7 @@ class StepInputs:
     rows16: np.ndarray  # [T] int64: each row's row in the f16 pool (slot * R + position)
     rows32: np.ndarray  # [T] int64: in the float32 copies (slot * C + position)
     vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
-    masks: list[list[np.ndarray]]  # per sequence, per kind: [N, S] float32, 0 or -inf
+    masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf
     logit_rows: np.ndarray | None  # [B] int32
 
     def fill(self, batch: StepBatch, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
@@ -197,9 +219,11 @@ class StepInputs:
             lanes = np.arange(g * dv, dtype=np.int64) * rows32  # (g * Dv + d) * C
             base = slots * (g * dv * rows32) + pos
             np.add(base[:, None], lanes[None, :], out=index.reshape(len(pos), g * dv))
-        for seq, span, masks in zip(key.seqs, batch.spans, self.masks, strict=True):
-            q_pos = np.arange(span.start, span.start + span.n, dtype=np.int64)[:, None]
-            for (first, n_keys), window, mask in zip(seq.views, windows, masks, strict=True):
+        blocks = [(block, span.start + block.offset - span.offset) for seq, span in zip(key.seqs, batch.spans,
+                  strict=True) for block in seq.blocks]  # fmt: skip
+        for (block, start), masks in zip(blocks, self.masks, strict=True):
+            q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
+            for (first, n_keys), window, mask in zip(block.views, windows, masks, strict=True):
                 distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
                 allowed = distance >= 0
                 if window is not None:
@@ -231,7 +255,7 @@ class _StepBuilder:
         self.model, self.caches, self.key = model, caches, key
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
-        n_layers, n_seqs = len(model.blocks), len(key.seqs)
+        n_layers, n_seqs = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
         n_cuts = n_layers if key.n_tokens >= TILED_MIN_ROWS else 0
         self.b = GraphBuilder(n_tensors=512 + n_layers * (96 + 40 * n_seqs), n_segments=n_cuts + 1)
         self.ctx = self.b.ctx
@@ -244,7 +268,8 @@ class _StepBuilder:
             rows16=np.zeros(t, dtype=np.int64),
             rows32=np.zeros(t, dtype=np.int64),
             vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
-            masks=[[np.zeros((s.n, s.views[k][1]), dtype=np.float32) for k in range(len(windows))] for s in key.seqs],
+            masks=[[np.zeros((q.n, q.views[k][1]), dtype=np.float32) for k in range(len(windows))]
+                   for s in key.seqs for q in s.blocks],  # fmt: skip
             logit_rows=None if key.n_logits is None else np.zeros(key.n_logits, dtype=np.int32),
         )
         b, i = self.b, self.inputs
@@ -328,23 +353,24 @@ class _StepBuilder:
         kind = self.kinds[self.windows[i]]
         outs = []
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
-        for j, seq in enumerate(self.key.seqs):
-            qs = ggml.ggml_view_3d(ctx, q, hd, nh, seq.n, nb1, nb2, seq.offset * nb2)  # the sequence's rows
+        blocks = [(seq.slot, block) for seq in self.key.seqs for block in seq.blocks]
+        for j, (slot, block) in enumerate(blocks):
+            qs = ggml.ggml_view_3d(ctx, q, hd, nh, block.n, nb1, nb2, block.offset * nb2)  # the block's rows
             if scale_queries:
                 qs = ggml.ggml_scale(ctx, qs, s.scale)
             qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
             # contiguous; with an f16 cache rounded to f16, as llama.cpp's f16 product converts its queries
             qs = self._f16(qs) if f16 else ggml.ggml_cont(ctx, qs)
-            first, n_keys = seq.views[kind]
-            keys, values_t = self._cache_views(i, seq.slot, first, n_keys, g, hd, dv)
+            first, n_keys = block.views[kind]
+            keys, values_t = self._cache_views(i, slot, first, n_keys, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
             kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[j][kind], float(kq_scale), 0.0)
             if f16:  # the probabilities too
                 kq = self._f16(kq)
             out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
             out = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # [Dv, H, N]
-            outs.append(ggml.ggml_reshape_2d(ctx, out, dv * nh, seq.n))
-        while len(outs) > 1:  # the sequences' rows one after the other: [H*Dv, T]
+            outs.append(ggml.ggml_reshape_2d(ctx, out, dv * nh, block.n))
+        while len(outs) > 1:  # the blocks' rows one after the other: [H*Dv, T]
             pairs = [ggml.ggml_concat(ctx, a, b, 1) for a, b in zip(outs[0::2], outs[1::2], strict=False)]
             outs = pairs + ([outs[-1]] if len(outs) % 2 else [])
         return self._linear(m.o, outs[0])  # [D, T]
