@@ -351,9 +351,10 @@ class _StepBuilder:
         f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
         scale_queries, kq_scale = query_scaling(s.scale) if f16 else (False, s.scale)
         kind = self.kinds[self.windows[i]]
-        outs = []
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
         blocks = [(seq.slot, block) for seq in self.key.seqs for block in seq.blocks]
+        # the blocks' outputs [Dv, H, N] go to their rows of one [H*Dv, T] tensor (a single block's is that tensor)
+        attn = None if len(blocks) == 1 else self.b.scratch(ggml.GGML_TYPE_F32, (dv * nh, t))
         for j, (slot, block) in enumerate(blocks):
             qs = ggml.ggml_view_3d(ctx, q, hd, nh, block.n, nb1, nb2, block.offset * nb2)  # the block's rows
             if scale_queries:
@@ -367,13 +368,13 @@ class _StepBuilder:
             kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[j][kind], float(kq_scale), 0.0)
             if f16:  # the probabilities too
                 kq = self._f16(kq)
-            out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
-            out = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # [Dv, H, N]
-            outs.append(ggml.ggml_reshape_2d(ctx, out, dv * nh, block.n))
-        while len(outs) > 1:  # the blocks' rows one after the other: [H*Dv, T]
-            pairs = [ggml.ggml_concat(ctx, a, b, 1) for a, b in zip(outs[0::2], outs[1::2], strict=False)]
-            outs = pairs + ([outs[-1]] if len(outs) % 2 else [])
-        return self._linear(m.o, outs[0])  # [D, T]
+            out = ggml.ggml_permute(ctx, ggml.ggml_mul_mat(ctx, values_t, kq), 0, 2, 1, 3)  # [Dv, H, N]
+            if attn is None:
+                attn = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, out), dv * nh, block.n)
+            else:
+                rows = ggml.ggml_view_3d(ctx, attn, dv, nh, block.n, 4 * dv, 4 * dv * nh, 4 * dv * nh * block.offset)
+                self.b.expand(ggml.ggml_cpy(ctx, out, rows))
+        return self._linear(m.o, attn)  # [D, T]
 
     def _f16(self, x: Tensor) -> Tensor:
         """x's values rounded to f16, as a contiguous float32 tensor."""

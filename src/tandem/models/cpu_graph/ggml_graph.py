@@ -120,6 +120,7 @@ class GraphBuilder:
         self._stages: list[Segment | HostStage] = []
         self._keep: list[object] = []
         self._weights: dict[int, Tensor] = {}
+        self._scratch: list[ggml.ggml_tensor] = []  # the current segment's tensors of no op that the allocator places
         self._graph = self._new_graph()
 
     # -- leaves ---------------------------------------------------------------------------------------
@@ -157,6 +158,13 @@ class GraphBuilder:
             ggml.ggml_set_input(tensor)
             self._weights[id(w)] = tensor
             self._keep.append(w)
+        return tensor
+
+    def scratch(self, gtype: int, ne: Sequence[int]) -> Tensor:
+        """A tensor of the current segment that nodes write into (through views) and read: placed by the allocator
+        like a node's result."""
+        tensor = _new(self.ctx, gtype, ne)
+        self._scratch.append(tensor.contents)
         return tensor
 
     # -- nodes and segments ---------------------------------------------------------------------------
@@ -199,7 +207,8 @@ class GraphBuilder:
             return
         nodes = [ggml.ggml_graph_node(graph, i).contents for i in range(n)]
         owned = [node for node in nodes if not node.data]  # set now: leaves, outputs, views of those
-        self._stages.append(Segment(graph, owned))
+        self._stages.append(Segment(graph, owned + self._scratch))
+        self._scratch = []
 
     def __del__(self) -> None:
         if getattr(self, "ctx", 0):  # not finished (an error while building)
