@@ -158,3 +158,22 @@ def test_expert_stats_file_round_trip_and_mismatch(
     path.write_text(json.dumps(doc))
     with pytest.raises(TandemError, match="counts of shape"):
         ExpertStats.open(path, f, cfg)
+
+
+def test_refresh_keeps_a_spare_slot_per_cached_layer(q8_moe: Path) -> None:
+    """--moe-cache-refresh: each layer cached in part gives its coldest pick's slot to a spare (the same VRAM)."""
+    f, _ = _plan(q8_moe, cpu_moe=True)
+    per_expert = sum(i.n_bytes for n, i in f.tensors.items() if expert_layer(n) == 0) // E
+    counts = np.ones((2, E), dtype=np.int64)
+    counts[0, 3], counts[0, 5], counts[1, 2] = 90, 50, 70
+    _, static = _plan(q8_moe, counts, cpu_moe=True, moe_cache=4 * per_expert)
+    _, online = _plan(q8_moe, counts, cpu_moe=True, moe_cache=4 * per_expert, moe_cache_refresh=16)
+    assert online.expert_cache.spare == 1 and static.expert_cache.spare == 0
+    assert online.expert_cache.bytes == static.expert_cache.bytes <= 4 * per_expert
+    for layer, ids in static.expert_cache.layers.items():
+        kept = online.expert_cache.layers[layer]
+        assert len(kept) == len(ids) - 1 and set(kept) <= set(ids)
+        assert counts[layer][list(kept)].min() >= counts[layer][list(set(ids) - set(kept))].max()
+    assert online.to_dict()["expert_cache"]["spare_slots_per_layer"] == 1  # type: ignore[index]
+    with pytest.raises(PlacementError, match="--moe-cache-refresh re-places cached experts"):
+        _plan(q8_moe, cpu_moe=True, moe_cache_refresh=16)

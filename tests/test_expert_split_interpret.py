@@ -192,7 +192,7 @@ def test_a_step_of_only_cached_experts_leaves_ggml_idle(
         split = OffloadedExperts(on_cpu=on_cpu, streamed=None, stage_vectors=None, min_batch=32, resident=resident,
                                  slot_map=slot_map)  # fmt: skip
         split.host = _Host(split.host.fn, split.host.bind)  # type: ignore[assignment]
-        x = torch.randn(2, 128)
+        x = torch.randn(2, 128, generator=torch.Generator().manual_seed(11))
         r = Routing(torch.tensor([[2, 5], [5, 2]], dtype=torch.int32), torch.tensor([[0.7, 0.3], [0.6, 0.4]]))
         r2 = Routing(torch.tensor([[2, 0], [5, 2]], dtype=torch.int32), r.weights)
         want, want2 = on_cpu(x, r), on_cpu(x, r2)
@@ -217,3 +217,44 @@ def test_routing_counts_skip_padding_rows() -> None:
     counts.begin_step(1)
     counts.count(0, torch.tensor([[4, 5]]))
     assert counts.read().tolist() == [[0, 0, 0, 0, 1, 1, 0, 0], [0, 1, 2, 1, 0, 0, 0, 0]]
+
+
+def test_online_replacement_swaps_in_the_hot_expert_and_stays_exact(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--moe-cache-refresh on the CPU: a layer cached with a spare slot; once an outside expert is picked far more
+    than the coldest cached one, the refresher copies it into the spare, flips the slot map at a step boundary
+    (the coldest's slot becomes the spare) and the split still equals ggml alone."""
+    import dataclasses
+
+    from tandem.placement import ExpertCache
+    from tandem.weights.expert_cache import ExpertCacheRefresher
+
+    path = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "q8_0.gguf", "q8_0")
+    builds = _builds(path, monkeypatch)
+    with tandem.LLM(path, device="cpu", n_ctx=32):
+        loader, layer, build = builds[1]
+        loader.plan = dataclasses.replace(loader.plan, expert_cache=ExpertCache({layer: (1, 4)}, {layer: 1}, "", 1))
+        infos = [i for n, i in loader.file.tensors.items() if expert_layer(n) == layer]
+        on_cpu = build(loader)
+        resident, slot_map = loader._cached_experts(layer, build, (1, 4), infos, ggml_values=True)
+        slots = loader.cache_slots[-1]
+        assert slots.experts == [1, 4, -1] and slot_map.tolist() == [-1, 0, -1, -1, 1, -1, -1, -1]
+        split = OffloadedExperts(on_cpu=on_cpu, streamed=None, stage_vectors=None, min_batch=32, resident=resident,
+                                 slot_map=slot_map)  # fmt: skip
+        split.host = _Host(split.host.fn, split.host.bind)  # type: ignore[assignment]
+        counts = RoutingCounts.zeros(2, 8, 2, torch.device("cpu"))
+        counts.counts[layer] = torch.tensor([0, 3, 0, 0, 40, 0, 90, 0])  # expert 6 hot, 1 the coldest cached
+        refresher = ExpertCacheRefresher([slots], counts, every=2)
+        for _ in range(4):  # read the counts, decide and copy, flip
+            refresher.between_steps()
+        assert refresher.swaps == 1 and sorted(slots.cached) == [4, 6] and -1 in slots.experts
+        assert slot_map[6].item() == 2 and slot_map[1].item() == -1 and slot_map[4].item() == 1
+        gen = torch.Generator().manual_seed(12)
+        x = torch.randn(3, 128, generator=gen)
+        weights = torch.softmax(torch.randn(3, 2, generator=gen), -1)
+        r = Routing(torch.tensor([[6, 1], [4, 6], [2, 6]], dtype=torch.int32), weights)
+        assert _rel(split(x, r), on_cpu(x, r)) < 1e-5
+        for _ in range(6):  # nothing hotter outside: no more swaps
+            refresher.between_steps()
+        assert refresher.swaps == 1

@@ -206,3 +206,32 @@ def test_batched_decode_with_cached_experts(q30: Path) -> None:
             llm.engine.step()
         together = [list(s.output) for s in seqs]
     assert together == [list(a) for a in alone]
+
+
+def test_online_replacement_in_captured_decode(q30: Path) -> None:
+    """--moe-cache-refresh 2: counts pushed towards experts outside the cache make the refresher swap them in
+    between captured decode steps (copies on its side stream, slot maps flipped at step boundaries); the logits stay
+    within rounding of --cpu-moe's, step after step."""
+    import tandem
+
+    tokens = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]
+    runs = []
+    for flags in ({"cpu_moe": True}, {"cpu_moe": True, "moe_cache": "40MiB", "moe_cache_refresh": 2}):
+        with tandem.LLM(q30, device="cuda", dtype="f32", n_ctx=128, **flags) as llm:  # type: ignore[arg-type]
+            engine = llm.engine
+            logits = [engine.feed(list(range(300, 310))).float().cpu()]
+            refresher = llm.expert_refresher
+            if refresher is not None:
+                for s in refresher.layers:  # make every uncached expert look hot
+                    outside = [e for e in range(128) if e not in s.cached]
+                    llm.routing_counts.counts[s.layer, outside[:4]] += 10_000  # type: ignore[union-attr]
+            for t in tokens:
+                logits.append(engine.append([t]).float().cpu())
+            if refresher is not None:
+                assert refresher.swaps >= 2, refresher.swaps
+                for s in refresher.layers:
+                    assert sorted(e for e in range(128) if s.slot_map[e].item() >= 0) == sorted(s.cached)
+            runs.append(torch.stack(logits))
+    cpu_moe, refreshed = runs
+    per_row = (refreshed - cpu_moe).abs().amax(dim=1).tolist()
+    assert (refreshed - cpu_moe).abs().max() <= 1e-2 * cpu_moe.abs().max(), per_row

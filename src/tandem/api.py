@@ -34,6 +34,7 @@ from tandem.state.kv_cache import CACHE_DTYPES, ContextFullError
 from tandem.tokenizer import Tokenizer
 from tandem.tokenizer.builtin_templates import arch_template_name, builtin_template
 from tandem.tokenizer.chat_template import chat_template_from_metadata, render_chat, template_variables
+from tandem.weights.expert_cache import ExpertCacheRefresher
 from tandem.weights.loader import WeightLoader
 
 TP_EAGER_NOTICE = "--tp: decode runs eagerly on the GPUs (CUDA graphs around the all-reduces are not built yet)"
@@ -125,6 +126,7 @@ class LLM:
         pcie_experts: int = 0,
         moe_cache: str | int | None = None,
         expert_stats: str | os.PathLike[str] | None = None,
+        moe_cache_refresh: int = 0,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
@@ -145,7 +147,9 @@ class LLM:
         moe_cache: VRAM (bytes, or a size such as "8GiB") for single experts of the layers kept in host RAM
         (--moe-cache); with gpu_memory the VRAM left is filled with experts too (placement/experts.py).
         expert_stats: a routing-statistics file (--expert-stats): read at the start (it must be this model's)
-        to choose the experts kept in VRAM, counted into on the GPU, written back by close().
+        to choose the experts kept in VRAM, counted into on the GPU, written back by close(). moe_cache_refresh:
+        every that many steps, re-place the cached experts by the picks counted meanwhile (weights/expert_cache.py;
+        0, the default: the start's stay).
         """
         if cache_type not in CACHE_DTYPES:
             raise TandemError(f"cache_type must be one of {', '.join(CACHE_DTYPES)}, got '{cache_type}'")
@@ -172,16 +176,18 @@ class LLM:
             tp=tp,
             n_gpu_layers=n_gpu_layers,
             moe_cache=moe_cache,
+            moe_cache_refresh=moe_cache_refresh,
         )
         shape = RuntimeShape(
             n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize, n_seq=n_parallel
         )
         _check_kv_memory(self.config, shape)
         # --expert-stats FILE: the routing statistics that choose the cached experts, counted into, saved at close
-        if request.tp > 1 and (request.moe_cache is not None or expert_stats is not None):
+        if request.tp > 1 and (request.moe_cache is not None or expert_stats is not None or moe_cache_refresh):
             raise TandemError("--moe-cache, --expert-stats: not built under --tp yet; drop them or --tp")
         self.expert_stats = None if expert_stats is None else ExpertStats.open(expert_stats, self.file, self.config)
         self.routing_counts: RoutingCounts | None = None
+        self.expert_refresher: ExpertCacheRefresher | None = None
         # --tp N (docs/TENSOR_PARALLEL.md): this process is rank 0, ranks 1..N-1 are child processes; the plan,
         # model, kernels and placement below are rank 0's, `tp` has every rank's
         self.tp: TensorParallel | None = None
@@ -218,6 +224,7 @@ class LLM:
                 routing_counts=self._new_routing_counts(request.device),
             )  # fmt: skip
             self.model = DecoderModel(self.config, loader, arch.build_block)
+            self._start_refresher(loader)
             self.placed = loader.placed()
             self.notices = loader.notices()
         self.n_ctx = n_ctx
@@ -237,10 +244,17 @@ class LLM:
     def _new_routing_counts(self, device: str) -> RoutingCounts | None:
         """The device counter of every layer's expert picks, with --expert-stats."""
         moe = self.config.moe
-        if self.expert_stats is not None and moe is not None:
+        if (self.expert_stats is not None or self.plan.request.moe_cache_refresh) and moe is not None:
             self.routing_counts = RoutingCounts.zeros(self.config.n_layers, moe.n_experts, moe.n_active,
                                                       torch.device(device))  # fmt: skip
         return self.routing_counts
+
+    def _start_refresher(self, loader: WeightLoader) -> None:
+        """--moe-cache-refresh: the online re-placement of the cached experts, run by the runner between steps."""
+        every = self.plan.request.moe_cache_refresh
+        if every and loader.cache_slots and self.routing_counts is not None:
+            self.expert_refresher = ExpertCacheRefresher(loader.cache_slots, self.routing_counts, every)
+            self.model.expert_refresher = self.expert_refresher
 
     def save_expert_stats(self) -> None:
         """Add the picks counted since the start (or the last save) to --expert-stats' file and write it (waits

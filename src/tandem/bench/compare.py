@@ -487,6 +487,7 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
         tp=args.tp,
         n_gpu_layers=args.n_gpu_layers,
         moe_cache=getattr(args, "moe_cache", None),
+        moe_cache_refresh=getattr(args, "moe_cache_refresh", 0),
     )
     f = open_gguf(settings.model)
     cfg = read_config(f)

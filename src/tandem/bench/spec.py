@@ -31,6 +31,7 @@ class Placement:
     tp: int = 1
     n_gpu_layers: int | None = None
     moe_cache: str | None = None  # tandem's expert cache; llama.cpp's row keeps those layers' experts in host RAM
+    moe_cache_refresh: int = 0  # tandem's online re-placement of the cache
 
     def request(self) -> PlacementRequest:
         """The validated request (raises PlacementError, a usage error, for bad flags)."""
@@ -43,6 +44,7 @@ class Placement:
             tp=self.tp,
             n_gpu_layers=self.n_gpu_layers,
             moe_cache=self.moe_cache,
+            moe_cache_refresh=self.moe_cache_refresh,
         )
 
     def argv(self) -> list[str]:
@@ -58,6 +60,8 @@ class Placement:
             out += ["--gpu-memory", self.gpu_memory]
         if self.moe_cache is not None:
             out += ["--moe-cache", self.moe_cache]
+        if self.moe_cache_refresh:
+            out += ["--moe-cache-refresh", str(self.moe_cache_refresh)]
         if self.tp != 1:
             out += ["--tp", str(self.tp)]
         return out  # not -ngl: checked by request(), it has no effect once the device is resolved

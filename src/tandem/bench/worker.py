@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         repack_experts=args.repack_experts,
         pcie_experts=args.pcie_experts,
         moe_cache=args.moe_cache,
+        moe_cache_refresh=args.moe_cache_refresh,
         expert_stats=args.expert_stats,
         **({"dtype": args.dtype} if getattr(args, "dtype", None) else {}),
     )

@@ -97,6 +97,7 @@ def _placement(args: argparse.Namespace) -> dict[str, object]:
         "override_tensor": args.override_tensor,
         "gpu_memory": args.gpu_memory,
         "moe_cache": args.moe_cache,
+        "moe_cache_refresh": args.moe_cache_refresh,
         "tp": args.tp,
         "n_gpu_layers": args.n_gpu_layers,
     }

@@ -81,6 +81,14 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
         "most picked by --expert-stats, else the lowest ids; each step computes those on the GPU, the rest on the CPU",
     )
     p.add_argument(
+        "--moe-cache-refresh",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="every STEPS steps, swap cached experts for hotter ones by the picks counted meanwhile (copies in the "
+        "background into a spare slot; default 0: the experts chosen at the start stay)",
+    )
+    p.add_argument(
         "--expert-stats",
         default=None,
         metavar="FILE",

@@ -14,6 +14,7 @@ from tandem.models.blocks import BlockBuilder, RopeCache, standard_block
 from tandem.models.config import ModelConfig
 from tandem.state.batch import StepBatch
 from tandem.state.pool import StatePool
+from tandem.weights.expert_cache import ExpertCacheRefresher
 from tandem.weights.loader import QuantEmbedding, WeightLoader
 
 
@@ -39,6 +40,7 @@ class DecoderModel:
         self.output_norm = loader.vector("output_norm.weight")
         # every layer's expert picks (--expert-stats), or None
         self.routing_counts = getattr(loader, "routing_counts", None)
+        self.expert_refresher: ExpertCacheRefresher | None = None  # --moe-cache-refresh, run between steps
         # Tied embeddings: the output head reads the embedding table when there is no `output`.
         head = "output.weight" if loader.has("output.weight") else "token_embd.weight"
         self.output: Linear = loader.linear(head)

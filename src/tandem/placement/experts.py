@@ -31,10 +31,11 @@ class ExpertCache:
     layers: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     expert_bytes: Mapping[int, int] = field(default_factory=dict)
     source: str = ""  # what chose the ids: the statistics, or the default
+    spare: int = 0  # empty slots per cached layer, beside the ids: online re-placement copies into them
 
     @property
     def bytes(self) -> int:
-        return sum(len(ids) * self.expert_bytes[layer] for layer, ids in self.layers.items())
+        return sum((len(ids) + self.spare) * self.expert_bytes[layer] for layer, ids in self.layers.items())
 
     def resident(self, layer: int) -> tuple[int, ...]:
         return tuple(self.layers.get(layer, ()))
@@ -46,12 +47,14 @@ class ExpertCache:
             return other
         assert not set(self.layers) & set(other.layers), "a layer's cache is chosen once"
         source = self.source if self.source == other.source else f"{self.source}; {other.source}"
-        return ExpertCache({**self.layers, **other.layers}, {**self.expert_bytes, **other.expert_bytes}, source)
+        spare = max(self.spare, other.spare)
+        return ExpertCache({**self.layers, **other.layers}, {**self.expert_bytes, **other.expert_bytes}, source, spare)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "bytes": self.bytes,
             "source": self.source,
+            "spare_slots_per_layer": self.spare,
             "experts_per_layer": {str(layer): len(ids) for layer, ids in sorted(self.layers.items())},
             "experts": {str(layer): list(ids) for layer, ids in sorted(self.layers.items())},
         }
@@ -132,27 +135,31 @@ def _fill_experts(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray],
 
 
 def _finish(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], full: set[int],
-            taken: dict[int, list[int]], used: int, policy: str) -> Selection:  # fmt: skip
+            taken: dict[int, list[int]], used: int, policy: str, spare: int = 0) -> Selection:  # fmt: skip
     by_layer = {c.layer: c for c in layers}
     partial = {}
     for layer, ids in taken.items():
         if len(ids) == by_layer[layer].n_experts:  # every expert cached: the whole layer goes to VRAM
             full.add(layer)
             used += by_layer[layer].layer_bytes - len(ids) * by_layer[layer].expert_bytes
-        elif ids:
-            partial[layer] = tuple(sorted(ids))
+        elif len(ids) >= spare and ids:  # the coldest `spare` of them leave their slots empty
+            kept = sorted(ids, key=lambda e: (-float(pop[layer][e]), e))[: len(ids) - spare]
+            partial[layer] = tuple(sorted(kept))
+        else:
+            used -= len(ids) * by_layer[layer].expert_bytes
     return Selection(frozenset(full), partial, used, _cost(layers, pop, full, partial), policy)
 
 
 def select_experts(
-    layers: Sequence[LayerExperts], budget: int, counts: np.ndarray | None, n_active: int
+    layers: Sequence[LayerExperts], budget: int, counts: np.ndarray | None, n_active: int, spare: int = 0
 ) -> Selection:
-    """The cheaper of two fills of `budget` bytes over `layers` (see the module docstring)."""
+    """The cheaper of two fills of `budget` bytes over `layers` (see the module docstring). With `spare`, each layer
+    cached in part keeps that many of its slots empty (its coldest picks' places) for online re-placement."""
     pop = popularity_table(counts, layers, n_active)
     budget = max(0, budget)
     # expert by expert (a layer whose experts all fit comes out whole)
     taken: dict[int, list[int]] = {}
-    per_expert = _finish(layers, pop, set(), taken, _fill_experts(layers, pop, budget, taken), "per expert")
+    per_expert = _finish(layers, pop, set(), taken, _fill_experts(layers, pop, budget, taken), "per expert", spare)
     # whole layers first (later layers first, as --gpu-memory always did), then single experts
     full: set[int] = set()
     used = 0
@@ -163,7 +170,7 @@ def select_experts(
     rest = [c for c in layers if c.layer not in full]
     taken = {}
     used += _fill_experts(rest, pop, budget - used, taken)
-    whole_first = _finish(layers, pop, full, taken, used, "whole layers first")
+    whole_first = _finish(layers, pop, full, taken, used, "whole layers first", spare)
     # equal costs: more whole layers (fewer host ops to launch); the same selection: "per expert"
     best = min((per_expert, whole_first), key=lambda s: (round(s.cost, 9), -len(s.full), s.policy != "per expert"))
     assert best.bytes <= budget, (best.bytes, budget)

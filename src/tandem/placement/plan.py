@@ -86,6 +86,7 @@ class PlacementPlan:
                 "override_tensor": [f"{p}={d}" for p, d in self.request.override_tensor],
                 "gpu_memory": self.request.gpu_memory,
                 "moe_cache": self.request.moe_cache,
+                "moe_cache_refresh": self.request.moe_cache_refresh,
                 "tp": self.request.tp,
                 "n_gpu_layers": self.request.n_gpu_layers,
             },
@@ -343,9 +344,10 @@ def _fill_moe_cache(
         )
     assert cfg.moe is not None and size is not None
     cands = _candidates(f, cpu_layers)
-    sel = select_experts(cands, size, counts, cfg.moe.n_active)
+    spare = 1 if req.moe_cache_refresh else 0
+    sel = select_experts(cands, size, counts, cfg.moe.n_active, spare)
     cache = ExpertCache(sel.partial, {c.layer: c.expert_bytes for c in cands if c.layer in sel.partial},
-                        _source(sel.partial, counts, label))  # fmt: skip
+                        _source(sel.partial, counts, label), spare)  # fmt: skip
     return _apply(devices, sel.full, req.device), cache, _cache_note(flag, sel.full, cache, len(cands), sel.policy)
 
 
@@ -377,9 +379,10 @@ def _fit_budget(
         )
     assert cfg.moe is not None
     cands = _candidates(f, movable)
-    sel = select_experts(cands, budget - need, counts, cfg.moe.n_active)
+    spare = 1 if req.moe_cache_refresh else 0
+    sel = select_experts(cands, budget - need, counts, cfg.moe.n_active, spare)
     out = _apply(base, sel.full, gpu)
     cache = ExpertCache(sel.partial, {c.layer: c.expert_bytes for c in cands if c.layer in sel.partial},
-                        _source(sel.partial, counts, label))  # fmt: skip
+                        _source(sel.partial, counts, label), spare)  # fmt: skip
     assert gpu_total(out) + cache.bytes <= budget, (gpu_total(out), cache.bytes, budget)
     return out, cache, _cache_note(flag, sel.full, cache, len(cands), sel.policy)

@@ -73,6 +73,7 @@ class PlacementRequest:
     # layer count or more, or < 0: the GPU; 0: the CPU); plan_placement refuses a split.
     n_gpu_layers: int | None = None
     moe_cache: int | None = None  # bytes of VRAM for single experts of the layers kept in host RAM (--moe-cache)
+    moe_cache_refresh: int = 0  # decode steps between online re-placements of cached experts (0: the start's stay)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", normalize_device(self.device, "--device"))
@@ -99,6 +100,10 @@ class PlacementRequest:
             raise PlacementError(f"--moe-cache must be positive, got {self.moe_cache}")
         if self.device == "cpu" and self.moe_cache is not None:
             raise PlacementError("--moe-cache keeps experts in VRAM: it needs a GPU device (--device cuda)")
+        if self.moe_cache_refresh < 0:
+            raise PlacementError(f"--moe-cache-refresh must be >= 0 (0: off), got {self.moe_cache_refresh}")
+        if self.moe_cache_refresh and self.moe_cache is None and self.gpu_memory is None:
+            raise PlacementError("--moe-cache-refresh re-places cached experts: give --moe-cache SIZE or --gpu-memory")
 
     @classmethod
     def from_flags(
@@ -111,6 +116,7 @@ class PlacementRequest:
         tp: int = 1,
         n_gpu_layers: int | None = None,
         moe_cache: str | int | None = None,
+        moe_cache_refresh: int = 0,
     ) -> PlacementRequest:
         """Build from CLI/API values (override strings 'REGEX=DEVICE', sizes as text or bytes)."""
         overrides = tuple(parse_override(o) for o in (override_tensor or ()))
@@ -118,7 +124,7 @@ class PlacementRequest:
         cache = parse_size(moe_cache, "--moe-cache") if isinstance(moe_cache, str) else moe_cache
         return cls(
             device=device, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, override_tensor=overrides, gpu_memory=budget, tp=tp,
-            n_gpu_layers=n_gpu_layers, moe_cache=cache,
+            n_gpu_layers=n_gpu_layers, moe_cache=cache, moe_cache_refresh=moe_cache_refresh,
         )  # fmt: skip
 
     @property

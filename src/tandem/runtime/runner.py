@@ -91,6 +91,9 @@ class ModelRunner:
     def run(self, pieces: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False) -> torch.Tensor:
         """Advance each slot of `pieces` (slot, tokens) by its tokens, which follow the slot's cached ones. Returns
         logits [len(pieces), V] after each piece's last token, or with `all_logits` [tokens, V] of every token."""
+        refresher = getattr(self.model, "expert_refresher", None)
+        if refresher is not None:  # --moe-cache-refresh: between steps (weights/expert_cache.py)
+            refresher.between_steps()
         caches = [self.pool.caches[slot] for slot, _ in pieces]
         for cache, (_, tokens) in zip(caches, pieces, strict=True):
             assert tokens, "a piece of a step has at least one token"

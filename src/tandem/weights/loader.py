@@ -27,6 +27,7 @@ from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
+from tandem.weights.expert_cache import CacheSlots
 from tandem.weights.offload import (
     HOST_CALL_ROWS,
     ExpertSource,
@@ -117,6 +118,7 @@ class WeightLoader:
         self.pcie_experts = pcie_experts  # of each token's CPU experts in decode, read by the GPU (--pcie-experts)
         self._pcie_layers = 0
         self._cached: dict[int, tuple[tuple[int, ...], int]] = {}  # layer -> (cached expert ids, VRAM bytes)
+        self.cache_slots: list[CacheSlots] = []  # the cached layers' slots, for online re-placement
         self.routing_counts = routing_counts  # every layer's expert picks, counted on the device (--expert-stats)
         self._stream: ExpertStream | None = None
         if self.compute_device.type != "cpu" and plan.staging_bytes:
@@ -309,12 +311,13 @@ class WeightLoader:
             return build(self)
         on_cpu = build(_HostSource(self))
         cached = self.plan.expert_cache.resident(layer)
+        in_cache = layer in self.plan.expert_cache.layers  # (with a spare slot, possibly none cached yet)
         streamed, stage_vectors = None, None
         stream = self._stream
         if stream is not None and streamable(infos):
             vectors = [i for i in infos if len(i.shape) < 3]
             offsets = dict(zip((i.name for i in vectors), _offsets(vectors), strict=True))
-            streamed = build(_StreamedSource(self, stream, offsets, skips=bool(cached)))
+            streamed = build(_StreamedSource(self, stream, offsets, skips=in_cache))
 
             def stage_vectors() -> None:
                 for info in vectors:
@@ -328,10 +331,10 @@ class WeightLoader:
                     f"--pcie-experts: {self.file.path.name} could not be page-locked for the GPU to read "
                     f"({'; '.join(self._notices) or 'no CPU experts to stream'}); run without --pcie-experts"
                 )
-            pcie = self._pcie_experts(build, skips=bool(cached))
+            pcie = self._pcie_experts(build, skips=in_cache)
             self._pcie_layers += 1
         resident, slot_map = None, None
-        if cached:
+        if in_cache:
             if streamed is None:
                 raise TandemError(  # the plan caches only layers whose types the GPU kernels read
                     f"--moe-cache/--gpu-memory: layer {layer}'s experts cannot be cached in VRAM: "
@@ -362,15 +365,20 @@ class WeightLoader:
         expert ids[i]), and the slot map [E] int32 (-1: not cached) on the compute device. With `ggml_values`
         they give ggml's values as the --pcie-experts ones do (tests compare the split with ggml alone); by
         default they compute as experts in VRAM do."""
-        source = _CachedSource(self, ids, ggml_inputs=ggml_values)
+        spare = self.plan.expert_cache.spare
+        source = _CachedSource(self, ids, ggml_inputs=ggml_values, spare=spare)
         cached = build(source)
         if ggml_values:
             assert isinstance(cached, GLUExperts)
             cached = dataclasses.replace(cached, glu=GGMLValuedGLU(cached.glu, self.compute_device))
         slot_map = torch.full((infos[0].shape[0],), -1, dtype=torch.int32)
         slot_map[list(ids)] = torch.arange(len(ids), dtype=torch.int32)
+        slot_map = slot_map.to(self.compute_device)
         self._cached[layer] = (ids, source.uploaded)
-        return cached, slot_map.to(self.compute_device)
+        self.cache_slots.append(
+            CacheSlots(layer, slot_map, [*ids, *([-1] * spare)], source.matrices, source.vectors)
+        )
+        return cached, slot_map
 
     def cached_experts(self) -> dict[int, tuple[tuple[int, ...], int]]:
         """layer -> (the expert ids cached in VRAM, their bytes there), read back from the uploads made."""
@@ -410,15 +418,24 @@ class _CachedSource:
     blocks, in slot order) and each expert vector's entries, uploaded once; the rest of the tensors stays in
     host RAM. Their products skip the slots of a split's other parts (ids -1)."""
 
-    def __init__(self, loader: WeightLoader, ids: tuple[int, ...], ggml_inputs: bool = False) -> None:
-        self.loader, self.ids, self.ggml_inputs = loader, ids, ggml_inputs
-        self.uploaded = 0  # bytes copied to the GPU
+    def __init__(self, loader: WeightLoader, ids: tuple[int, ...], ggml_inputs: bool = False, spare: int = 0) -> None:
+        self.loader, self.ids, self.ggml_inputs, self.spare = loader, ids, ggml_inputs, spare
+        self.uploaded = 0  # bytes of the GPU's slots (the spare ones included)
+        self.matrices: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (slots, host blocks, bytes per expert)
+        self.vectors: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, host values)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.ids) + self.spare
 
     def _rows(self, info: TensorInfo) -> torch.Tensor:
         per = info.n_bytes // info.shape[0]
-        rows = np.concatenate([info.data[e * per : (e + 1) * per] for e in self.ids])
-        data = torch.from_numpy(rows).to(self.loader.compute_device)
+        data = torch.zeros(self.n_slots * per, dtype=torch.uint8, device=self.loader.compute_device)
+        if self.ids:
+            rows = np.concatenate([info.data[e * per : (e + 1) * per] for e in self.ids])
+            data[: len(self.ids) * per].copy_(torch.from_numpy(rows))
         self.uploaded += data.numel()
+        self.matrices.append((data, _as_torch_bytes(info.data), per))
         return data
 
     def experts(self, name: str) -> Experts:
@@ -428,14 +445,18 @@ class _CachedSource:
         info = self.loader.info(name)
         if info.qtype not in GPU_NATIVE_TYPES:
             raise TandemError(f"{name}: {info.qtype.name} experts have no GPU kernel to cache them with")
-        weight = GPUQuantWeight(self._rows(info), info.qtype, (len(self.ids), *info.shape[1:]))
+        weight = GPUQuantWeight(self._rows(info), info.qtype, (self.n_slots, *info.shape[1:]))
         return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=self.ggml_inputs, skips=True)
 
     def vector(self, name: str) -> torch.Tensor:
         info = self.loader.info(name)
-        values = dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)[list(self.ids)].contiguous()
+        host = dequantize(_as_torch_bytes(info.data), info.qtype, info.shape)
+        values = torch.zeros((self.n_slots, *host.shape[1:]), dtype=host.dtype)
+        values[: len(self.ids)] = host[list(self.ids)]
+        values = values.to(self.loader.compute_device)
         self.uploaded += values.numel() * values.element_size()
-        return values.to(self.loader.compute_device)
+        self.vectors.append((values, host))
+        return values
 
 
 class _PCIeSource:
