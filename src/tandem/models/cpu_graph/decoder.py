@@ -83,6 +83,8 @@ def _block_unsupported(block: object, pool: object) -> str | None:
         return "YaRN or rope frequency factors"
     if pool.k.dtype not in _CACHE_TYPES or pool.window is not None:
         return f"a {pool.k.dtype} cache"
+    if pool.k.shape[0] * (pool.k.shape[1] + KV_PAD) >= 2**31:
+        return "more cache rows than int32 row numbers reach"
     if pool.k.dtype is torch.float16 and (s.head_dim % 16 or s.value_dim % 4):
         return f"head size {s.head_dim}/{s.value_dim} with an f16 cache (layers/attention.py emulates its sums)"
     ffn = block.ffn
@@ -202,8 +204,8 @@ class StepInputs:
 
     ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
-    rows16: np.ndarray  # [T] int64: each row's row in the f16 pool (slot * R + position)
-    rows32: np.ndarray  # [T] int64: in the float32 copies (slot * C + position)
+    rows16: np.ndarray  # [T] int32: each row's row in the f16 pool (slot * R + position)
+    rows32: np.ndarray  # [T] int32: in the float32 copies (slot * C + position)
     vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
     masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf
     logit_rows: np.ndarray | None  # [B] int32
@@ -213,8 +215,8 @@ class StepInputs:
         pos = batch.positions.numpy()
         self.positions[:] = pos
         slots = np.repeat(np.array([s.slot for s in key.seqs], dtype=np.int64), [s.n for s in key.seqs])
-        np.add(slots * rows, pos, out=self.rows16)
-        np.add(slots * rows32, pos, out=self.rows32)
+        np.add(slots * rows, pos, out=self.rows16, casting="unsafe")  # below 2^31: CacheCopies.of checks it
+        np.add(slots * rows32, pos, out=self.rows32, casting="unsafe")
         for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
             lanes = np.arange(g * dv, dtype=np.int64) * rows32  # (g * Dv + d) * C
             base = slots * (g * dv * rows32) + pos
@@ -265,8 +267,8 @@ class _StepBuilder:
         self.inputs = StepInputs(
             ids=np.zeros(t, dtype=np.int32),
             positions=np.zeros(t, dtype=np.int32),
-            rows16=np.zeros(t, dtype=np.int64),
-            rows32=np.zeros(t, dtype=np.int64),
+            rows16=np.zeros(t, dtype=np.int32),  # get_rows takes int32 row numbers
+            rows32=np.zeros(t, dtype=np.int32),
             vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
             masks=[[np.zeros((q.n, q.views[k][1]), dtype=np.float32) for k in range(len(windows))]
                    for s in key.seqs for q in s.blocks],  # fmt: skip
@@ -346,10 +348,14 @@ class _StepBuilder:
         q = ggml.ggml_reshape_3d(ctx, self._linear(m.q, h), hd, nh, t)  # [Hd, H, T]
         k = ggml.ggml_reshape_3d(ctx, self._linear(m.k, h), hd, g, t)  # [Hd, G, T]
         v = self._linear(m.v, h)  # [G*Dv, T]
-        q, k = self._norm_rope(q, m.q_norm, m), self._norm_rope(k, m.k_norm, m)
-        self._store(i, k, v, g, dv)
         f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
         scale_queries, kq_scale = query_scaling(s.scale) if f16 else (False, s.scale)
+        q_norm = m.q_norm
+        if scale_queries and q_norm is not None:
+            # a power of two: scaling the norm's weight scales the rotated queries by it exactly (rope is linear)
+            q_norm, scale_queries = q_norm.float() * s.scale, False
+        q, k = self._norm_rope(q, q_norm, m), self._norm_rope(k, m.k_norm, m)
+        self._store(i, k, v, g, dv)
         kind = self.kinds[self.windows[i]]
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
         blocks = [(seq.slot, block) for seq in self.key.seqs for block in seq.blocks]
@@ -393,18 +399,16 @@ class _StepBuilder:
         now (the attention reads the cache, not these nodes)."""
         ctx, b, t = self.ctx, self.b, self.key.n_tokens
         k16, v16, k32, vt32 = self.cache_leaves[i]
-        k, v = self._rounded(_flat(ctx, k, t), i), self._rounded(v, i)  # [G*Hd, T], [G*Dv, T]: the cache's values
-        b.expand(ggml.ggml_set_rows(ctx, k16, k, self.rows16))
+        k = _flat(ctx, k, t)  # [G*Hd, T]
+        # into the pool's rows (rounded to its type there), then those rows read back as float32 for the copies
+        k_rows, v_rows = ggml.ggml_set_rows(ctx, k16, k, self.rows16), ggml.ggml_set_rows(ctx, v16, v, self.rows16)
+        if self.caches[i].pool.k.dtype is not torch.float32:
+            k, v = ggml.ggml_get_rows(ctx, k_rows, self.rows16), ggml.ggml_get_rows(ctx, v_rows, self.rows16)
+        else:
+            b.expand(k_rows)
+            b.expand(v_rows)
         b.expand(ggml.ggml_set_rows(ctx, k32, k, self.rows32))
-        b.expand(ggml.ggml_set_rows(ctx, v16, v, self.rows16))
         b.expand(ggml.ggml_set_rows(ctx, vt32, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
-
-    def _rounded(self, x: Tensor, i: int) -> Tensor:
-        """x rounded to layer i's cache type, in float32."""
-        gtype = _CACHE_TYPES[self.caches[i].pool.k.dtype]
-        if gtype == ggml.GGML_TYPE_F32:
-            return x
-        return ggml.ggml_cast(self.ctx, ggml.ggml_cast(self.ctx, x, gtype), ggml.GGML_TYPE_F32)
 
     def _cache_views(
         self, i: int, slot: int, first: int, n_keys: int, g: int, hd: int, dv: int
