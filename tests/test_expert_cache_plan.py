@@ -177,3 +177,14 @@ def test_refresh_keeps_a_spare_slot_per_cached_layer(q8_moe: Path) -> None:
     assert online.to_dict()["expert_cache"]["spare_slots_per_layer"] == 1  # type: ignore[index]
     with pytest.raises(PlacementError, match="--moe-cache-refresh re-places cached experts"):
         _plan(q8_moe, cpu_moe=True, moe_cache_refresh=16)
+
+
+def test_a_layer_is_completed_when_its_round_trip_outweighs_the_picks_given_up() -> None:
+    layers = _layers(2, e=4)
+    counts = np.array([[10, 10, 10, 1], [10, 10, 10, 1]])
+    # one pick per token: completing layer 1 gives up a third of a pick of layer 0 and saves its round trip (0.4)
+    sel = select_experts(layers, 6 * 100, counts, 1)
+    assert sel.full == {1} and sel.partial == {0: (1, 2)} and sel.bytes == 600
+    # two picks per token: two thirds of a pick given up is more than the round trip
+    sel = select_experts(layers, 6 * 100, counts, 2)
+    assert not sel.full and sel.partial == {0: (0, 1, 2), 1: (0, 1, 2)}

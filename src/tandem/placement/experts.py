@@ -5,8 +5,9 @@ memory: ~47 us for a Qwen3-30B-A3B Q4_K expert at 55 GB/s) plus one host round t
 VRAM saves its share of the picks; a whole layer in VRAM also saves the round trip. The selection takes the
 experts (and whole layers) that save the most per byte, by the routing statistics when there are some
 (`--expert-stats`) and as if routing were uniform otherwise, and keeps the cheaper of two fills of the same budget:
-expert by expert, or whole layers first and single experts in what is left. With uniform routing the second wins
-(the same picks saved, fewer round trips); with skewed routing the first does.
+expert by expert, or whole layers first and single experts in what is left; in both, a layer cached all but a few
+experts is completed where its round trip outweighs the picks given up elsewhere for the room. With uniform
+routing whole layers win (the same picks saved, fewer round trips); with skewed routing single experts do.
 """
 
 from __future__ import annotations
@@ -134,6 +135,45 @@ def _fill_experts(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray],
     return used
 
 
+def _complete_layers(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], taken: dict[int, list[int]],
+                     left: int) -> int:  # fmt: skip
+    """Complete layers cached in part where that saves work: a layer whose missing experts fit the `left` bytes
+    plus those of the least picked experts cached elsewhere, and whose missing picks plus its host round trip
+    outweigh the picks given up. The layers missing the fewest experts first, until one does not pay. Returns the
+    bytes left."""
+    by_layer = {c.layer: c for c in layers if c.splittable}
+
+    def partial() -> list[LayerExperts]:
+        return [c for c in by_layer.values() if 0 < len(taken.get(c.layer, ())) < c.n_experts]
+
+    while True:
+        open_layers = partial()
+        if not open_layers:
+            return left
+        c = min(open_layers, key=lambda c: (c.n_experts - len(taken[c.layer]), -c.layer))
+        have = set(taken[c.layer])
+        missing = [e for e in range(c.n_experts) if e not in have]
+        need = len(missing) * c.expert_bytes - left
+        gain = float(pop[c.layer][missing].sum()) + HOST_LAYER_COST
+        others = sorted(
+            (float(pop[o.layer][e]) / o.expert_bytes, o.layer, e) for o in open_layers if o is not c
+            for e in taken[o.layer]
+        )  # fmt: skip
+        freed, loss, drop = 0, 0.0, []
+        for _, layer, e in others:
+            if freed >= need:
+                break
+            drop.append((layer, e))
+            freed += by_layer[layer].expert_bytes
+            loss += float(pop[layer][e])
+        if freed < need or gain <= loss + 1e-9:
+            return left
+        for layer, e in drop:
+            taken[layer].remove(e)
+        taken[c.layer].extend(missing)
+        left += freed - len(missing) * c.expert_bytes
+
+
 def _finish(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], full: set[int],
             taken: dict[int, list[int]], used: int, policy: str, spare: int = 0) -> Selection:  # fmt: skip
     by_layer = {c.layer: c for c in layers}
@@ -157,9 +197,11 @@ def select_experts(
     cached in part keeps that many of its slots empty (its coldest picks' places) for online re-placement."""
     pop = popularity_table(counts, layers, n_active)
     budget = max(0, budget)
-    # expert by expert (a layer whose experts all fit comes out whole)
+    # expert by expert, then layers completed where that pays (a layer whose experts all fit comes out whole)
     taken: dict[int, list[int]] = {}
-    per_expert = _finish(layers, pop, set(), taken, _fill_experts(layers, pop, budget, taken), "per expert", spare)
+    used = _fill_experts(layers, pop, budget, taken)
+    used = budget - _complete_layers(layers, pop, taken, budget - used)
+    per_expert = _finish(layers, pop, set(), taken, used, "per expert", spare)
     # whole layers first (later layers first, as --gpu-memory always did), then single experts
     full: set[int] = set()
     used = 0
@@ -170,6 +212,7 @@ def select_experts(
     rest = [c for c in layers if c.layer not in full]
     taken = {}
     used += _fill_experts(rest, pop, budget - used, taken)
+    used = budget - _complete_layers(rest, pop, taken, budget - used)
     whole_first = _finish(layers, pop, full, taken, used, "whole layers first", spare)
     # equal costs: more whole layers (fewer host ops to launch); the same selection: "per expert"
     best = min((per_expert, whole_first), key=lambda s: (round(s.cost, 9), -len(s.full), s.policy != "per expert"))

@@ -325,7 +325,8 @@ def _cache_note(flag: str, full: frozenset[int], cache: ExpertCache, n_layers: i
         )
     if not parts:
         parts.append("no expert fits")
-    return f"{flag}: " + ", ".join(parts) + f", {policy}; the rest of the {n_layers} layers' experts in host RAM"
+    rest = f"the rest of the {n_layers} layers' experts in host RAM"
+    return f"{flag}: " + ", ".join(parts) + f" (filled {policy}); {rest}"
 
 
 def _fill_moe_cache(
