@@ -122,7 +122,7 @@ def test_moe_cache_uploads_only_the_planned_rows_and_matches_cpu_moe(q30: Path) 
     assert not cpu_planned & set(uploaded), "a CPU-planned tensor was uploaded whole"
     assert facts["placed"] == plain["placed"]  # the tensors are where --cpu-moe put them
     grown = int(facts["loaded"]) - int(plain["loaded"])  # type: ignore[call-overload]
-    assert cache.bytes <= grown <= cache.bytes + (8 << 20), (grown, cache.bytes)  # + slot maps, alignment
+    assert cache.bytes <= grown <= cache.bytes + (32 << 20), (grown, cache.bytes)  # + slot maps, allocator rounding
     assert any(str(n).startswith("expert cache:") for n in facts["notices"])  # type: ignore[union-attr]
     eager, captured = runs[(0, False)], runs[(0, True)]
     assert (captured - eager).abs().max() <= 1e-5 * eager.abs().max(), (captured - eager).abs().amax(dim=1)
@@ -173,7 +173,8 @@ def test_routing_counts_in_the_captured_step_and_the_next_start(q30: Path, tmp_p
     assert counts.sum(dim=1).tolist() == [(20 + 6) * 8] * 2
     saved = ExpertStats.open(stats, llm.file, llm.config)
     assert saved.total == 2 * 26 * 8 and np.array_equal(saved.counts, counts.numpy())
-    with tandem.LLM(q30, device="cuda", n_ctx=128, cpu_moe=True, moe_cache="50MiB", expert_stats=stats) as llm:
+    with tandem.LLM(q30, device="cuda", n_ctx=128, n_parallel=4, cpu_moe=True, moe_cache="50MiB",
+                    expert_stats=stats) as llm:  # fmt: skip
         cache = llm.plan.expert_cache
         assert "--expert-stats" in cache.source
         for layer, ids in cache.layers.items():  # the most picked experts of the first run
