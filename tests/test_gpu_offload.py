@@ -347,14 +347,31 @@ def test_pcie_experts_across_moe_archs(fixture: str, request: pytest.FixtureRequ
     dense branch, gpt-oss's biases (its expert vectors read over PCIe too). Captured decode logits stay within
     rounding of the CPU-only run's (f32 compute; bound as in the test above). Added after the session-11 device
     calls, where only the synthetic Qwen3-30B-A3B was checked with the flag."""
-    import tandem
     from tandem.convert import convert_hf
 
     path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
+    _check_pcie_split(path, fixture, dtype="f32", cache_type="f32")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
+def test_pcie_experts_at_default_numerics(fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same at tandem's GPU defaults (bf16 products, f16 KV cache) on the two layouts whose split once gave
+    wrong results (issue 17): the split changes only which side computes an expert, both giving ggml's values."""
+    from tandem.convert import convert_hf
+
+    path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
+    cpu_only, split = _check_pcie_split(path, fixture)
+    assert torch.equal(split.argmax(dim=1), cpu_only.argmax(dim=1))
+
+
+def _check_pcie_split(path, fixture: str, **flags) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Prefill of 5 tokens and 4 captured decode steps with --cpu-moe, without and with --pcie-experts 1: the
+    split's logits within 1 % of the largest of the CPU-only run's; both runs' logits [5, V]."""
+    import tandem
+
     runs = []
     for k in (0, 1):
-        with tandem.LLM(path, device="cuda", cpu_moe=True, dtype="f32", cache_type="f32", n_ctx=128,
-                        pcie_experts=k) as llm:  # fmt: skip
+        with tandem.LLM(path, device="cuda", cpu_moe=True, n_ctx=128, pcie_experts=k, **flags) as llm:
             assert any(n.startswith("--pcie-experts 1:") for n in llm.notices) == (k > 0)
             engine = llm.engine
             logits = [engine.feed([3, 17, 29, 41, 5]).float().cpu()]  # under 32 tokens: the CPU/PCIe split too
@@ -362,8 +379,9 @@ def test_pcie_experts_across_moe_archs(fixture: str, request: pytest.FixtureRequ
             runs.append(torch.stack(logits))
     cpu_only, split = runs
     per_row = (split - cpu_only).abs().amax(dim=1).tolist()
-    print(f"{fixture}: --pcie-experts 1 against the CPU alone, max |logit diff| per row: {per_row}")
+    print(f"{fixture} {flags}: --pcie-experts 1 against the CPU alone, max |logit diff| per row: {per_row}")
     assert (split - cpu_only).abs().max() <= 1e-2 * cpu_only.abs().max(), per_row
+    return cpu_only, split
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3moe_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
