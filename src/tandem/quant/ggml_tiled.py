@@ -55,6 +55,7 @@ __all__ = ["TILED_ARITHMETIC", "TILED_MIN_ROWS", "TiledQ6K", "fma32", "quantize_
 TILED_MIN_ROWS = 8  # ggml_tiled_min_batch: the tiled kernel runs from this many activation rows
 CACHE_MAX_BYTES = 64 << 20  # a weight's unpacked codes are kept up to this size
 CHUNK_BYTES = 64 << 20  # float64 temporaries of one step of a call
+GROUP_BYTES = 2 << 20  # int32 block sums of one step of the int8 products
 
 _QK_K = 256
 Q8_K_BYTES = 292  # block_q8_K: d (float32), 256 codes (int8), 16 partial sums (int16)
@@ -267,17 +268,24 @@ class TiledQ6K:
         parts, d_w = self._int8_parts()
         nb, t = codes.shape[0], codes.shape[1]
         fused = self.arithmetic == "fma" and fused_addcmul()  # torch's float32 addcmul is a fused multiply-add
-        r = None if fused else torch.empty(nb, t, n, dtype=torch.float32)
+        # blocks a step: their sums within GROUP_BYTES (in the cache), in as few calls as fit
+        group = max(1, min(nb, GROUP_BYTES // (8 * t * n)))
+        sums = torch.empty(group, t, 2 * n, dtype=torch.int32)
+        s = torch.empty(group, t, n, dtype=torch.int32)
+        r = torch.empty(group, t, n, dtype=torch.float32) if fused else torch.empty(nb, t, n, dtype=torch.float32)
         if fused:
             y.zero_()
-        for b in range(nb):
-            sums = torch._int_mm(codes[b], parts[b])  # [T, 2N] int32, exact
-            s = torch.add(sums[:, n:], sums[:, :n], alpha=64)  # |s| < 2^27: exact in int32
-            if r is None:
-                torch.addcmul(y, torch.mul(s, d_w[b]), d_x[b].unsqueeze(1), out=y)  # float(s) * d_w, then the fma
-            else:
-                torch.mul(s, d_w[b], out=r[b])
-        if r is not None:
+        for b0 in range(0, nb, group):
+            g = min(group, nb - b0)
+            for i in range(g):
+                torch._int_mm(codes[b0 + i], parts[b0 + i], out=sums[i])  # [T, 2N] int32, exact
+            torch.add(sums[:g, :, n:], sums[:g, :, :n], alpha=64, out=s[:g])  # |s| < 2^27: exact in int32
+            rb = r[:g] if fused else r[b0 : b0 + g]
+            torch.mul(s[:g], d_w[b0 : b0 + g].unsqueeze(1), out=rb)  # float(s) * d_w, as the kernel rounds it
+            if fused:
+                for i in range(g):
+                    torch.addcmul(y, rb[i], d_x[b0 + i].unsqueeze(1), out=y)
+        if not fused:
             _accumulate(r.numpy(), d_x.numpy(), y.numpy(), self.arithmetic)
         return y
 
