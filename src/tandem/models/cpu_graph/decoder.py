@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ggml
 import numpy as np
@@ -209,6 +209,7 @@ class StepInputs:
     vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
     masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf
     logit_rows: np.ndarray | None  # [B] int32
+    _lane_cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     def fill(self, batch: StepBatch, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
         self.ids[:] = batch.ids.numpy()
@@ -218,23 +219,32 @@ class StepInputs:
         np.add(slots * rows, pos, out=self.rows16, casting="unsafe")  # below 2^31: CacheCopies.of checks it
         np.add(slots * rows32, pos, out=self.rows32, casting="unsafe")
         for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
-            lanes = np.arange(g * dv, dtype=np.int64) * rows32  # (g * Dv + d) * C
+            lanes = self._lanes(g * dv, rows32)  # (g * Dv + d) * C
             base = slots * (g * dv * rows32) + pos
             np.add(base[:, None], lanes[None, :], out=index.reshape(len(pos), g * dv))
         blocks = [(block, span.start + block.offset - span.offset) for seq, span in zip(key.seqs, batch.spans,
                   strict=True) for block in seq.blocks]  # fmt: skip
         for (block, start), masks in zip(blocks, self.masks, strict=True):
-            q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
             for (first, n_keys), window, mask in zip(block.views, windows, masks, strict=True):
+                mask.fill(-np.inf)
+                if block.n == 1:  # one row (decoding): the keys it sees are one run
+                    mask[0, (0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
+                    continue
+                q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
                 distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
                 allowed = distance >= 0
                 if window is not None:
                     allowed &= distance < window
-                mask.fill(-np.inf)
                 mask[allowed] = 0.0
         if self.logit_rows is not None:
             assert batch.logit_rows is not None
             self.logit_rows[:] = batch.logit_rows.numpy()
+
+    def _lanes(self, n: int, stride: int) -> np.ndarray:
+        lanes = self._lane_cache.get((n, stride))
+        if lanes is None:
+            lanes = self._lane_cache[(n, stride)] = np.arange(n, dtype=np.int64) * stride
+        return lanes
 
 
 @dataclass(eq=False)
