@@ -145,19 +145,27 @@ def test_gpu_memory_budget_holds_for_load_prefill_and_decode(q30: Path) -> None:
     shape = RuntimeShape(n_ctx=256)
     everything = plan_placement(f, cfg, PlacementRequest.from_flags(device="cuda"), shape).gpu_bytes()
     floor = plan_placement(f, cfg, PlacementRequest.from_flags(device="cuda", cpu_moe=True), shape).gpu_bytes()
-    for budget in (floor + (everything - floor) // 3, floor + 2 * (everything - floor) // 3):
+
+    def run(budget: int) -> tuple[int, tuple[str, ...]]:
+        """The peak of tandem's allocations over loading, a prefill of 200 tokens and 8 decode steps."""
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with tandem.LLM(q30, device="cuda", n_ctx=256, gpu_memory=int(budget)) as llm:
+        with tandem.LLM(q30, device="cuda", n_ctx=256, gpu_memory=budget) as llm:
             assert llm.plan.expert_cache.layers or len(llm.plan.cpu_expert_layers) < cfg.n_layers
             llm.engine.feed(list(range(100, 300)))
             for t in range(8):
                 llm.engine.append([t + 7])
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-        assert peak <= budget, (peak, budget, llm.plan.notes)
+            return torch.cuda.max_memory_allocated() - base, llm.plan.notes
+
+    for budget in (floor + (everything - floor) // 3, floor + 2 * (everything - floor) // 3):
+        # First untimed: a kernel shape's first use tunes it, and Triton's tuning clears the L2 with a 256 MiB
+        # buffer of its own (kept from the budget's count: its results stay on disk, later runs do not tune).
+        run(int(budget))
+        peak, notes = run(int(budget))
+        assert peak <= budget, (peak, budget, notes)
 
 
 def test_routing_counts_in_the_captured_step_and_the_next_start(q30: Path, tmp_path: Path) -> None:
