@@ -378,10 +378,11 @@ for k in "${!targets[@]}"; do
   fi
   if [[ -n "${HTTP:-}" ]]; then  # both servers at once, taking turns (bench/http_bench.py); its table in the log
     servers=(--llama-server "$LLAMA_TOOLS/bin/llama-server")
-    if "$PY" -c "import fastapi, uvicorn" 2>/dev/null; then
+    if why=$("$PY" -c "import fastapi, uvicorn" 2>&1); then
       servers+=(--tandem "$PY -m tandem.cli.main serve --device $DEVICE")
     else
-      say "http: no fastapi/uvicorn here, so no tandem serve (carry their wheels in .whl/): llama-server alone"
+      say "http: the server's stack does not import ($(tail -1 <<<"$why")), so no tandem serve (carry its wheels in" \
+        ".whl/: bench/prepare_device.sh): llama-server alone"
     fi
     ngl=99
     [[ "$DEVICE" == cpu ]] && ngl=0

@@ -7,9 +7,9 @@
 #   .whl/ggml_python-0.0.45.tar.gz              ggml's CPU kernels for tandem: a source build, made there
 #   .whl/transformers-5.23.0-py3-none-any.whl   the GPU tests build tiny models with it (the image has 5.17,
 #                                               which lacks the Qwen3.5-MoE and Gemma 4 config classes)
-#   .whl/{fastapi,starlette,uvicorn,pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl
-#                                               `tandem serve` (bench/http_bench.py there); the image has
-#                                               anyio, click, h11, httpx, prometheus-client
+#   .whl/{fastapi,starlette,uvicorn,pydantic,pydantic_core,annotated_types,typing_inspection,
+#         opentelemetry_api}-*.whl              `tandem serve` (bench/http_bench.py there); the image has
+#                                               annotated-doc, anyio, click, h11, httpx, prometheus-client
 # numpy, pyyaml, tqdm, requests, typing_extensions, psutil, jinja2, rich, matplotlib, nvidia-ml-py,
 # scikit-build-core, cmake and ninja are on the device image already (KINDS.md's package list).
 # Then: device run(command="bash bench/device_compare.sh", carry=[".whl", ".peers"], timeout_s=600).
@@ -35,13 +35,13 @@ cmp -s "$TARBALL" .peers/"$(basename "$TARBALL")" || cp -f "$TARBALL" .peers/
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any \
   -d .whl gguf==0.19.0 diskcache==5.6.3 transformers==5.23.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 \
-  annotated_types==0.7.0 typing_inspection==0.4.5
+  annotated_types==0.7.0 typing_inspection==0.4.5 opentelemetry_api==1.45.2
 # The sdist: --no-build-isolation, or pip builds cmake from source just to read the metadata (minutes).
 "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d .whl ggml-python==0.0.45
 
 # Two versions of one package in .whl/ make `pip install .whl/*.whl` refuse everything.
 for name in gguf diskcache ggml_python transformers fastapi starlette uvicorn pydantic pydantic_core annotated_types \
-    typing_inspection; do
+    typing_inspection opentelemetry_api; do
   n=$(find .whl -maxdepth 1 -iname "${name}-*" | wc -l)
   [[ $n -le 1 ]] || { echo "more than one $name in .whl/: keep one" >&2; ls .whl >&2; exit 1; }
 done
