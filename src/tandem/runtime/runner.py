@@ -113,9 +113,10 @@ class ModelRunner:
                 logits = self.model.forward(batch, self.pool)
                 self._warm.add(size)
             logits = logits[: len(pieces)]
+        elif self.cpu_graph is not None:  # a CPU step as ggml graphs: no batch descriptor tensors to make
+            logits = self.cpu_graph.run(at, all_logits)
         else:
-            batch = StepBatch.build(at, device, all_logits=all_logits)
-            logits = self.model.forward(batch, self.pool) if self.cpu_graph is None else self.cpu_graph(batch)
+            logits = self.model.forward(StepBatch.build(at, device, all_logits=all_logits), self.pool)
         for cache, (_, tokens) in zip(caches, pieces, strict=True):
             cache.advance(tokens)
         return logits

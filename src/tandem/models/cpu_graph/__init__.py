@@ -15,6 +15,7 @@ import torch
 
 from tandem.models.cpu_graph.decoder import (
     CacheCopies,
+    Pieces,
     StepKey,
     StepProgram,
     attention_kinds,
@@ -67,7 +68,16 @@ class StepGraph:
         return cls(model, pool)
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
-        key = step_key(batch, self.kinds)
+        """The step of a batch descriptor (its logit rows: each sequence's last, or every row)."""
+        ids = batch.ids.tolist()
+        pieces = [(s.slot, s.start, ids[s.rows]) for s in batch.spans]
+        return self.run(pieces, all_logits=batch.logit_rows is None)
+
+    def run(self, pieces: Pieces, all_logits: bool = False) -> torch.Tensor:
+        """The step of `pieces` (slot, position of the first token, token ids) per sequence, which follow the
+        slots' cached tokens: logits [B, V] after each piece's last token, or [T, V] of every token with
+        `all_logits` (decoding, every row is a piece's last)."""
+        key = step_key(pieces, self.kinds, all_logits)
         step = self._programs.get(key)
         if step is None:
             step = build_step(self.model, self.caches, key)
@@ -77,7 +87,7 @@ class StepGraph:
         else:
             self._programs.move_to_end(key)
         c = self.caches[0]
-        step.inputs.fill(batch, key, self.kinds, c.rows, c.rows32)
+        step.inputs.fill(pieces, key, self.kinds, c.rows, c.rows32)
         n_logits = key.n_tokens if key.n_logits is None else key.n_logits
         logits = torch.empty(n_logits, self.model.cfg.n_vocab, dtype=torch.float32)
         step.logits.data = logits.data_ptr()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import ggml
 import numpy as np
@@ -36,7 +37,6 @@ from tandem.models.decoder import DecoderModel
 from tandem.quant.ggml_cpu import expert_ffn_nodes
 from tandem.quant.ggml_tiled import Q8_K_BYTES, TILED_MIN_ROWS
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
@@ -141,8 +141,7 @@ class CacheCopies:
 # -- the step's shape ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class QueryBlock:
+class QueryBlock(NamedTuple):
     """Rows [offset, offset + n) of the step, all of one sequence, that attend together: per attention kind the
     first key position and the key count they read (multiples of KV_PAD; the keys before and after, which none of
     them sees, are left out, which changes no sum: their probabilities are 0)."""
@@ -152,8 +151,7 @@ class QueryBlock:
     views: tuple[tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
-class SeqKey:
+class SeqKey(NamedTuple):
     """A sequence's part of a step, as far as it shapes the graph: its slot, rows, first row, and its rows' query
     blocks."""
 
@@ -163,8 +161,9 @@ class SeqKey:
     blocks: tuple[QueryBlock, ...]
 
 
-@dataclass(frozen=True)
-class StepKey:
+class StepKey(NamedTuple):
+    """A step's shape (tuples: hashed and compared at C speed, per step)."""
+
     seqs: tuple[SeqKey, ...]
     n_logits: int | None  # rows whose logits the step returns (None: every row)
 
@@ -175,27 +174,32 @@ class StepKey:
 
 QUERY_BLOCK = 64  # rows of a sequence that attend together: in long prompts, fewer keys each block does not see
 
+Pieces = Sequence[tuple[int, int, Sequence[int]]]  # per sequence: slot, position of its first token, its tokens
 
-def step_key(batch: StepBatch, windows: Sequence[int | None]) -> StepKey:
-    seqs = []
-    for span in batch.spans:
+
+def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False) -> StepKey:
+    """The shape of the step of `pieces`: logits of every row (decoding, or `all_logits`) or of each piece's last."""
+    seqs, offset = [], 0
+    for slot, position, tokens in pieces:
+        n_seq = len(tokens)
         blocks = []
-        for r0 in range(0, span.n, QUERY_BLOCK):
-            n = min(QUERY_BLOCK, span.n - r0)
-            if 0 < span.n - r0 - n < 2:  # no block of one row: one row's products sum otherwise (attention.py)
-                n = span.n - r0
-            start = span.start + r0
+        for r0 in range(0, n_seq, QUERY_BLOCK):
+            n = min(QUERY_BLOCK, n_seq - r0)
+            if 0 < n_seq - r0 - n < 2:  # no block of one row: one row's products sum otherwise (attention.py)
+                n = n_seq - r0
+            start = position + r0
             padded_end = -(-(start + n) // KV_PAD) * KV_PAD
-            views = []
-            for window in windows:
-                first = 0 if window is None else max(0, (start - window + 1) // KV_PAD * KV_PAD)
-                views.append((first, padded_end - first))
-            blocks.append(QueryBlock(span.offset + r0, n, tuple(views)))
-            if r0 + n == span.n:
+            views = tuple(
+                (first, padded_end - first)
+                for first in (0 if w is None else max(0, (start - w + 1) // KV_PAD * KV_PAD) for w in windows)
+            )
+            blocks.append(QueryBlock(offset + r0, n, views))
+            if r0 + n == n_seq:
                 break
-        seqs.append(SeqKey(span.slot, span.n, span.offset, tuple(blocks)))
-    n_logits = None if batch.logit_rows is None else int(batch.logit_rows.shape[0])
-    return StepKey(tuple(seqs), n_logits)
+        seqs.append(SeqKey(slot, n_seq, offset, tuple(blocks)))
+        offset += n_seq
+    every_row = all_logits or all(s.n == 1 for s in seqs)
+    return StepKey(tuple(seqs), None if every_row else len(seqs))
 
 
 @dataclass(eq=False)
@@ -209,42 +213,47 @@ class StepInputs:
     vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
     masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf
     logit_rows: np.ndarray | None  # [B] int32
-    _lane_cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    _lanes: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
-    def fill(self, batch: StepBatch, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
-        self.ids[:] = batch.ids.numpy()
-        pos = batch.positions.numpy()
-        self.positions[:] = pos
-        slots = np.repeat(np.array([s.slot for s in key.seqs], dtype=np.int64), [s.n for s in key.seqs])
-        np.add(slots * rows, pos, out=self.rows16, casting="unsafe")  # below 2^31: CacheCopies.of checks it
-        np.add(slots * rows32, pos, out=self.rows32, casting="unsafe")
+    def fill(self, pieces: Pieces, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
+        n_blocks = 0
+        for (slot, start, tokens), seq in zip(pieces, key.seqs, strict=True):
+            o, n = seq.offset, seq.n
+            if n == 1:  # decoding: no arrays made
+                self.ids[o], self.positions[o] = tokens[0], start
+                self.rows16[o], self.rows32[o] = slot * rows + start, slot * rows32 + start
+            else:
+                self.ids[o : o + n] = tokens
+                self.positions[o : o + n] = np.arange(start, start + n)
+                self.rows16[o : o + n] = self.positions[o : o + n] + slot * rows  # below 2^31 (`unsupported`)
+                self.rows32[o : o + n] = self.positions[o : o + n] + slot * rows32
+            for block in seq.blocks:
+                self._mask(block, start + block.offset - o, windows, self.masks[n_blocks])
+                n_blocks += 1
+        slots = (self.rows32 // rows32).astype(np.int64)
         for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
-            lanes = self._lanes(g * dv, rows32)  # (g * Dv + d) * C
-            base = slots * (g * dv * rows32) + pos
-            np.add(base[:, None], lanes[None, :], out=index.reshape(len(pos), g * dv))
-        blocks = [(block, span.start + block.offset - span.offset) for seq, span in zip(key.seqs, batch.spans,
-                  strict=True) for block in seq.blocks]  # fmt: skip
-        for (block, start), masks in zip(blocks, self.masks, strict=True):
-            for (first, n_keys), window, mask in zip(block.views, windows, masks, strict=True):
-                mask.fill(-np.inf)
-                if block.n == 1:  # one row (decoding): the keys it sees are one run
-                    mask[0, (0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
-                    continue
-                q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
-                distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
-                allowed = distance >= 0
-                if window is not None:
-                    allowed &= distance < window
-                mask[allowed] = 0.0
+            lanes = self._lanes.get((g * dv, rows32))
+            if lanes is None:
+                lanes = self._lanes[(g * dv, rows32)] = np.arange(g * dv, dtype=np.int64) * rows32  # (g*Dv + d) * C
+            base = slots * (g * dv * rows32) + self.positions  # slot * G * Dv * C + position
+            np.add(base[:, None], lanes[None, :], out=index.reshape(len(self.ids), g * dv))
         if self.logit_rows is not None:
-            assert batch.logit_rows is not None
-            self.logit_rows[:] = batch.logit_rows.numpy()
+            self.logit_rows[:] = [seq.offset + seq.n - 1 for seq in key.seqs]
 
-    def _lanes(self, n: int, stride: int) -> np.ndarray:
-        lanes = self._lane_cache.get((n, stride))
-        if lanes is None:
-            lanes = self._lane_cache[(n, stride)] = np.arange(n, dtype=np.int64) * stride
-        return lanes
+    @staticmethod
+    def _mask(block: QueryBlock, start: int, windows: Sequence[int | None], masks: list[np.ndarray]) -> None:
+        """0 where a row of `block` (at positions start ..) sees a key of its views, -inf elsewhere."""
+        for (first, n_keys), window, mask in zip(block.views, windows, masks, strict=True):
+            mask.fill(-np.inf)
+            if block.n == 1:  # one row (decoding): the keys it sees are one run
+                mask[0, (0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
+                continue
+            q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
+            distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
+            allowed = distance >= 0
+            if window is not None:
+                allowed &= distance < window
+            mask[allowed] = 0.0
 
 
 @dataclass(eq=False)
