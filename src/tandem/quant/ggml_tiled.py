@@ -254,19 +254,20 @@ class TiledQ6K:
         d float32, the 256 codes int8, 16 sums int16), out [T, N] float32. Only where `int8`."""
         t, k = blocks.shape[0], self.shape[1]
         raw = blocks.view(t, k // _QK_K, Q8_K_BYTES)
-        d_x = raw[..., :4].view(torch.float32)[..., 0].t().contiguous()  # [B, T]
-        codes = raw[..., 4 : 4 + _QK_K].view(torch.int8).transpose(0, 1).contiguous()  # [B, T, 256]
+        d_x = raw[..., :4].view(torch.float32)[..., 0]  # [T, B], strided views of the blocks: no copies
+        codes = raw[..., 4 : 4 + _QK_K].view(torch.int8)  # [T, B, 256]
         return self._int8_products(codes, d_x, out)
 
     def _matmul_int8(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         codes, d_x = quantize_q8_k(x)
-        return self._int8_products(codes.to(torch.int8).transpose(0, 1).contiguous(), d_x.t().contiguous(), y)
+        return self._int8_products(codes.to(torch.int8), d_x, y)
 
     def _int8_products(self, codes: torch.Tensor, d_x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y = the kernel's result from the activations' codes [B, T, 256] int8 and scales d_x [B, T]."""
+        """y = the kernel's result from the activations' codes [T, B, 256] int8 and scales d_x [T, B] (each block's
+        rows may be strided)."""
         n = self.shape[0]
         parts, d_w = self._int8_parts()
-        nb, t = codes.shape[0], codes.shape[1]
+        t, nb = codes.shape[0], codes.shape[1]
         fused = self.arithmetic == "fma" and fused_addcmul()  # torch's float32 addcmul is a fused multiply-add
         # blocks a step: their sums within GROUP_BYTES (in the cache), in as few calls as fit
         group = max(1, min(nb, GROUP_BYTES // (8 * t * n)))
@@ -278,15 +279,15 @@ class TiledQ6K:
         for b0 in range(0, nb, group):
             g = min(group, nb - b0)
             for i in range(g):
-                torch._int_mm(codes[b0 + i], parts[b0 + i], out=sums[i])  # [T, 2N] int32, exact
+                torch._int_mm(codes[:, b0 + i], parts[b0 + i], out=sums[i])  # [T, 2N] int32, exact
             torch.add(sums[:g, :, n:], sums[:g, :, :n], alpha=64, out=s[:g])  # |s| < 2^27: exact in int32
             rb = r[:g] if fused else r[b0 : b0 + g]
             torch.mul(s[:g], d_w[b0 : b0 + g].unsqueeze(1), out=rb)  # float(s) * d_w, as the kernel rounds it
             if fused:
                 for i in range(g):
-                    torch.addcmul(y, rb[i], d_x[b0 + i].unsqueeze(1), out=y)
+                    torch.addcmul(y, rb[i], d_x[:, b0 + i].unsqueeze(1), out=y)
         if not fused:
-            _accumulate(r.numpy(), d_x.numpy(), y.numpy(), self.arithmetic)
+            _accumulate(r.numpy(), d_x.t().contiguous().numpy(), y.numpy(), self.arithmetic)
         return y
 
 
