@@ -393,9 +393,11 @@ class _StepBuilder:
             kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[j][kind], float(kq_scale), 0.0)
             if f16:  # the probabilities too
                 kq = self._f16(kq)
-            out = ggml.ggml_permute(ctx, ggml.ggml_mul_mat(ctx, values_t, kq), 0, 2, 1, 3)  # [Dv, H, N]
+            out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
+            # [Dv, H, N]: for one row the same memory, else a permuted copy
+            out = ggml.ggml_reshape_3d(ctx, out, dv, nh, 1) if block.n == 1 else ggml.ggml_permute(ctx, out, 0, 2, 1, 3)
             if attn is None:
-                attn = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, out), dv * nh, block.n)
+                attn = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, out) if block.n > 1 else out, dv * nh, block.n)
             else:
                 rows = ggml.ggml_view_3d(ctx, attn, dv, nh, block.n, 4 * dv, 4 * dv * nh, 4 * dv * nh * block.offset)
                 self.b.expand(ggml.ggml_cpy(ctx, out, rows))
