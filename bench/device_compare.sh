@@ -88,6 +88,11 @@
 #     the tools (~125 files, no CUDA) and links them to that CUDA build, so they run with its kernels (the carried
 #     bundle has no flash-attention kernels: the tools' `-fa auto` then turns it off). LLAMA_TOOLS=DIR (default
 #     /tmp/llama_tools): where they go, or, built already (e.g. SKIP_SETUP=1 dry runs), where DIR/bin has them.
+#   EXPERT_KERNELS=1 (while the build runs: bench/expert_kernels.py, the selected-expert products of a decode
+#     batch by `_qmv` and by `_grouped_qmm`, per batch size, and which one qmatmul_id picks)
+#   PROFILE_BATCHED=16 (while the build runs, on the first model: bench/profile_batched.py, a decode step of that
+#     many sequences and their prefill taken apart by GPU kernel, per PROFILE_BATCHED_PLACEMENTS=all,cpu-moe;
+#     bounded by PROFILE_BATCHED_S=240)
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -269,6 +274,19 @@ if [[ "${TRACE:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # u
     { say "profile FAILED"; tail -20 /tmp/trace_profile.log; }
   grep -E "^==|one decode step" "$OUT/trace.txt" 2>/dev/null
   grep -E "^== |^[a-z0-9-]+: pp|^   decode step|ggml expert FFN|^   round |^   after the copies" /tmp/trace_profile.log
+fi
+
+if [[ "${EXPERT_KERNELS:-0}" == 1 && "$DEVICE" != cpu ]]; then  # a few seconds: qmv against grouped per batch size
+  say "selected-expert kernels at decode batch sizes (bench/expert_kernels.py)"
+  "$PY" bench/expert_kernels.py 2>&1 | grep -vE "Warning|warn\(" | tail -40
+fi
+
+if [[ -n "${PROFILE_BATCHED:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
+  say "profile of batched steps: ${PROFILE_BATCHED} sequences, ${PROFILE_BATCHED_PLACEMENTS:-all,cpu-moe}"
+  timeout -k 10 "${PROFILE_BATCHED_S:-240}" "$PY" bench/profile_batched.py "${early[0]}" --seqs "$PROFILE_BATCHED" \
+    --placements "${PROFILE_BATCHED_PLACEMENTS:-all,cpu-moe}" -t "$THREADS" >/tmp/profile_batched.log 2>&1 ||
+    say "profile_batched: exit $?"
+  grep -vE "Warning|warn\(" /tmp/profile_batched.log | tail -120
 fi
 
 if [[ -n "$llama_pid" ]]; then

@@ -285,6 +285,22 @@ def _live_cuda_tensors() -> Counter[tuple[tuple[int, ...], torch.dtype]]:
     return Counter((tuple(t.shape), t.dtype) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.is_cuda)
 
 
+def _offloaded(llm) -> list:  # type: ignore[no-untyped-def]
+    """The model's OffloadedExperts: each block's routed experts kept in host RAM (found through its FFN's
+    branches: Gemma 4's routed one beside the dense one, Qwen3.5's beside the shared expert)."""
+    from tandem.weights.offload import OffloadedExperts
+
+    found = []
+    for block in llm.model.blocks:
+        ffn = block.ffn
+        for branch in ("sparse", "routed"):
+            ffn = getattr(ffn, branch, ffn)
+        experts = getattr(ffn, "experts", None)
+        if isinstance(experts, OffloadedExperts):
+            found.append(experts)
+    return found
+
+
 def test_pcie_experts_in_the_captured_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--cpu-moe --pcie-experts 3 on a 2-layer synthetic Qwen3-30B-A3B (Q4_K/Q6_K experts, top-8): the plan and
     where the tensors are read back are those of --cpu-moe, loading takes no more VRAM, nothing CPU-planned is
@@ -387,8 +403,10 @@ def _check_pcie_split(path, fixture: str, **flags) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("fixture", ["tiny_qwen3moe_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"])
 def test_pcie_experts_split_by_expert_in_a_batch(fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Six sequences decoding at once with --pcie-experts 1 (the 8-row graph, captured after its eager first
-    step): a batch splits its experts by expert between ggml and the GPU (weights/offload.py split_by_expert);
-    the logits stay within rounding of the CPU-only run's, as one token's split by slot does above."""
+    step): a batch splits its experts by expert between ggml and the GPU, which computes its part from copies
+    staged in the window, vectors (Gemma 4's scales, gpt-oss's biases) included (weights/offload.py
+    ExpertStaging); the logits stay within rounding of the CPU-only run's, as one token's split by slot does
+    above."""
     import tandem
     from tandem.convert import convert_hf
 
@@ -402,6 +420,9 @@ def test_pcie_experts_split_by_expert_in_a_batch(fixture: str, request: pytest.F
             logits = [runner.run([(s, p)]).float().cpu() for s, p in enumerate(prompts)]
             logits += [runner.run([(s, [11 + i + s]) for s in range(6)]).float().cpu() for i in range(4)]
             assert runner.captured(8) is not None
+            if k:  # every layer's batches staged their experts in the window
+                staged = [e.staging.staged_total for e in _offloaded(llm) if e.staging is not None]
+                assert staged and all(n > 0 for n in staged), staged
             runs.append(torch.cat(logits))
     cpu_only, split = runs
     per_row = (split - cpu_only).abs().amax(dim=1).tolist()

@@ -4,7 +4,9 @@ between ggml and them mix to what ggml alone gives. The GPU test (test_gpu_offlo
 
 from __future__ import annotations
 
+import ctypes
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -28,9 +30,10 @@ import tandem
 from tandem.convert import convert_hf
 from tandem.cuda.qlinear import ggml_rounded_input
 from tandem.layers.moe import GLUExperts, Routing
+from tandem.placement import expert_layer
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.weights.loader import WeightLoader
+from tandem.weights.loader import WeightLoader, _PCIeSource
 
 TYPES = [gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")]
 
@@ -79,7 +82,7 @@ def test_pcie_experts_give_ggml_values(
         assert builds
         for loader, build in builds:
             on_cpu = build(loader)  # ggml's graph on the file's blocks, as the CPU side of the split
-            pcie = loader._pcie_experts(build)
+            pcie = loader._ggml_valued(build(_PCIeSource(loader)))
             assert isinstance(on_cpu, GLUExperts) and isinstance(pcie, GLUExperts)
             n_experts, width = on_cpu.down.weight.shape[:2]  # type: ignore[attr-defined]
             gen = torch.Generator().manual_seed(len(builds))
@@ -90,6 +93,66 @@ def test_pcie_experts_give_ggml_values(
             split = on_cpu(x, Routing(ids[:, :1].contiguous(), weights[:, :1].contiguous()))
             split += pcie(x, Routing(ids[:, 1:], weights[:, 1:]))
             assert _rel(split, alone) < 1e-5
+
+
+class _MemmoveCopies:
+    """HostCopies on the CPU: the staging copies done at once (host and \"device\" memory are one)."""
+
+    def enqueue(self, dst: int, src: int, n_bytes: int) -> None:
+        ctypes.memmove(dst, src, n_bytes)
+
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_gpt_oss_gguf"])
+def test_staged_experts_mix_to_ggml_alone(
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--pcie-experts in a batch (weights/offload.py ExpertStaging): the host op picks the step's most-used
+    experts, copies their blocks into window slots and turns their slots into weight-0 fillers for ggml; the
+    experts built over the window compute the staged slots. The two parts mix to ggml alone, for batches of
+    several sizes; gpt-oss's expert biases are staged with their matrices."""
+    import tandem.cuda.host_memory as host_memory
+
+    path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
+    builds = []
+    routed_experts = WeightLoader.routed_experts
+
+    def recording(loader, layer, build):  # type: ignore[no-untyped-def]
+        builds.append((loader, layer, build))
+        return routed_experts(loader, layer, build)
+
+    monkeypatch.setattr(WeightLoader, "routed_experts", recording)
+    monkeypatch.setattr(host_memory, "pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    with tandem.LLM(path, device="cpu", n_ctx=32):
+        assert builds
+        for loader, layer, build in builds[:1]:  # the layers are alike (the interpreter is slow)
+            infos = [i for n, i in loader.file.tensors.items() if expert_layer(n) == layer]
+            slot_bytes = max(i.n_bytes for i in infos)  # a window of two experts' stacks: room for all of them
+            window = SimpleNamespace(slot_bytes=slot_bytes, window=torch.zeros(2 * slot_bytes, dtype=torch.uint8))
+            loader._copies, loader.pcie_experts = _MemmoveCopies(), 1
+            made = loader._staged_experts(build, infos, window)
+            assert made is not None
+            staged, staging = made
+            on_cpu = build(loader)
+            n_experts, width = on_cpu.down.weight.shape[:2]  # type: ignore[attr-defined]
+            gen = torch.Generator().manual_seed(layer)
+            for rows in (5, 16):
+                x = torch.randn(rows, width, generator=gen)
+                ids = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(rows)]).int()
+                ids[0] = ids[1]  # two rows alike: the most-used experts are shared
+                weights = torch.softmax(torch.randn(rows, 2, generator=gen), dim=-1)
+                alone = on_cpu(x, Routing(ids, weights))
+                cpu_ids, cpu_weights = ids.clone(), weights.clone()
+                before = staging.staged_total
+                staging.select(cpu_ids.numpy(), cpu_weights.numpy())
+                assert staging.staged_total > before
+                slots = staging.slot_map[ids.long()]
+                assert ((slots >= 0) == (cpu_weights == 0)).all()  # a staged slot is a filler for ggml
+                gpu_part = staged(x, Routing(slots, torch.where(slots >= 0, weights, 0.0)))
+                split = on_cpu(x, Routing(cpu_ids, cpu_weights)) + gpu_part
+                assert _rel(split, alone) < 1e-5, (rows, _rel(split, alone))
 
 
 def test_pcie_geglu_reads_ggml_table() -> None:

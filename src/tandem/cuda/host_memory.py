@@ -101,6 +101,37 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(_DeviceAddress(ptr.value, host.numel() * host.element_size(), host), device=device)
 
 
+class HostCopies:
+    """Copies from page-locked host memory to the GPU issued from the host while the GPU may be replaying a
+    graph: the driver's cuMemcpyHtoDAsync on a stream of their own, a few microseconds each (a torch copy
+    costs several times that in Python), and a wait for all of them."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.lib = _driver()
+        self.copy = self.lib.cuMemcpyHtoDAsync_v2
+        self.copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.copy.restype = ctypes.c_int
+        self.sync = self.lib.cuStreamSynchronize
+        self.sync.argtypes = [ctypes.c_void_p]
+        self.sync.restype = ctypes.c_int
+        self.stream = stream
+        self.handle = ctypes.c_void_p(stream.cuda_stream)
+
+    def _check(self, err: int, what: str) -> None:
+        if err != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(err, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()}")
+
+    def enqueue(self, dst: int, src: int, n_bytes: int) -> None:
+        """Copy n_bytes from host address src (page-locked) to device address dst, in stream order."""
+        self._check(self.copy(dst, src, n_bytes, self.handle), "cuMemcpyHtoDAsync")
+
+    def wait(self) -> None:
+        """Until every copy enqueued so far has landed."""
+        self._check(self.sync(self.handle), "cuStreamSynchronize")
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked CPU tensor from torch's pinned allocator."""
     return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from tandem.gguf import GGUFFile, TensorInfo
 from tandem.layers.linear import Experts, GGMLExperts, GGMLLinear, Linear
 from tandem.layers.moe import CountedExperts, GGMLValuedGLU, GLUExperts, RoutedExperts, RoutingCounts
 from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, staging_size, streamable
-from tandem.placement.plan import staging_aligned
+from tandem.placement.plan import STAGING_ALIGN, staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight
@@ -31,13 +32,18 @@ from tandem.weights.expert_cache import CacheSlots
 from tandem.weights.offload import (
     HOST_CALL_ROWS,
     ExpertSource,
+    ExpertStaging,
     ExpertStream,
     HostCall,
     HostExperts,
     HostLinear,
     OffloadedExperts,
+    StagedMatrix,
 )
 from tandem.weights.repack import ExpertRepacks
+
+if TYPE_CHECKING:
+    from tandem.cuda.host_memory import HostCopies
 
 PAGE_PROBE = 4096  # bytes copied once to check that page-locked file memory can be copied from
 # Batches of more tokens than a host op holds stream CPU experts to the GPU (llama.cpp: from 32). A decode step
@@ -121,6 +127,7 @@ class WeightLoader:
         self.cache_slots: list[CacheSlots] = []  # the cached layers' slots, for online re-placement
         self.routing_counts = routing_counts  # every layer's expert picks, counted on the device (--expert-stats)
         self._stream: ExpertStream | None = None
+        self._copies: HostCopies | None = None  # the staging copies of --pcie-experts batches (one stream)
         if self.compute_device.type != "cpu" and plan.staging_bytes:
             self._start_streaming()
 
@@ -324,15 +331,17 @@ class WeightLoader:
                     view = stream.vectors(offsets[info.name] + info.n_bytes)[offsets[info.name] :]
                     view.copy_(_as_torch_bytes(info.data), non_blocking=True)
 
-        pcie = None
+        pcie = staged = staging = None
         if self.pcie_experts:
             if stream is None or stream.source_pin is None or not streamable(infos):
                 raise TandemError(  # check_pcie_experts vetted the types; this is the registration
                     f"--pcie-experts: {self.file.path.name} could not be page-locked for the GPU to read "
                     f"({'; '.join(self._notices) or 'no CPU experts to stream'}); run without --pcie-experts"
                 )
-            pcie = self._pcie_experts(build, skips=in_cache)
+            pcie = self._ggml_valued(build(_PCIeSource(self, skips=in_cache)))
             self._pcie_layers += 1
+            if not in_cache:
+                staged, staging = self._staged_experts(build, infos, stream) or (None, None)
         resident, slot_map = None, None
         if in_cache:
             if streamed is None:
@@ -343,19 +352,46 @@ class WeightLoader:
             resident, slot_map = self._cached_experts(layer, build, cached, infos)
         offloaded = OffloadedExperts(
             on_cpu=on_cpu, streamed=streamed, stage_vectors=stage_vectors, min_batch=OFFLOAD_MIN_BATCH,
-            pcie=pcie, pcie_slots=self.pcie_experts, resident=resident, slot_map=slot_map,
+            pcie=pcie, pcie_slots=self.pcie_experts, resident=resident, slot_map=slot_map, staged=staged,
+            staging=staging,
         )  # fmt: skip
         self.host_boundaries.extend(offloaded.hosts)
         return offloaded
 
-    def _pcie_experts(self, build: Callable[[ExpertSource], RoutedExperts], skips: bool = False) -> RoutedExperts:
-        """The experts built over device views of their page-locked host blocks (--pcie-experts). They compute
-        some of each token's experts in place of ggml, whose values the split must keep: their inputs are
-        rounded as ggml rounds them before its products and their gated unit gives ggml's values (on random
-        inputs the GPU's own are ~1% away, and tiny models then route tokens elsewhere)."""
-        pcie = build(_PCIeSource(self, skips))
-        assert isinstance(pcie, GLUExperts)  # every model's routed experts
-        return dataclasses.replace(pcie, glu=GGMLValuedGLU(pcie.glu, self.compute_device))
+    def _ggml_valued(self, experts: RoutedExperts) -> RoutedExperts:
+        """GPU experts that compute some of a step's experts in place of ggml (--pcie-experts), whose values the
+        split must keep: their inputs are rounded as ggml rounds them before its products (the source's
+        `ggml_inputs`) and their gated unit gives ggml's values (on random inputs the GPU's own are ~1% away,
+        and tiny models then route tokens elsewhere)."""
+        assert isinstance(experts, GLUExperts)  # every model's routed experts
+        return dataclasses.replace(experts, glu=GGMLValuedGLU(experts.glu, self.compute_device))
+
+    def _staged_experts(
+        self, build: Callable[[ExpertSource], RoutedExperts], infos: list[TensorInfo], stream: ExpertStream
+    ) -> tuple[RoutedExperts, ExpertStaging] | None:
+        """--pcie-experts in batched decode: the layer's experts built over slots of the prefill window that the
+        host op stages the step's most-used experts in, matrices and expert vectors (biases, scales) alike
+        (weights/offload.py ExpertStaging); no VRAM of their own. None for a layer whose expert does not fit the
+        window: its batches split by expert over PCIe in place."""
+        n_experts = infos[0].shape[0]
+        per_expert = sum(i.n_bytes // n_experts for i in infos)
+        capacity = min(n_experts, (2 * stream.slot_bytes - len(infos) * STAGING_ALIGN) // per_expert)
+        if capacity < 1:
+            return None
+        if self._copies is None:
+            from tandem.cuda.host_memory import HostCopies
+
+            self._copies = HostCopies(stream.copy_stream)
+        regions: dict[str, StagedMatrix] = {}
+        at = 0
+        for info in infos:
+            eb = info.n_bytes // n_experts
+            regions[info.name] = StagedMatrix(_as_torch_bytes(info.data), stream.window[at : at + capacity * eb], eb)
+            at = staging_aligned(at + capacity * eb)
+        staged = self._ggml_valued(build(_StagedSource(self, regions, capacity)))
+        staging = ExpertStaging(list(regions.values()), capacity, n_experts, self.pcie_experts, self._copies,
+                                self.compute_device)  # fmt: skip
+        return staged, staging
 
     def _cached_experts(
         self, layer: int, build: Callable[[ExpertSource], RoutedExperts], ids: tuple[int, ...],
@@ -477,12 +513,32 @@ class _PCIeSource:
         from tandem.cuda.weights import GPUQuantExperts
 
         info = self.loader.info(name)
-        weight = GPUQuantWeight(self._view(info), info.qtype, info.shape)
+        weight = GPUQuantWeight(self._view(info), info.qtype, info.shape, host_mapped=True)
         return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=True, skips=self.skips)
 
     def vector(self, name: str) -> torch.Tensor:
         info = self.loader.info(name)
         return self._view(info).view(torch.float32).view(info.shape)  # F32 (streamable)
+
+
+class _StagedSource:
+    """A layer's experts (matrices and vectors) as slots of the prefill window that ExpertStaging copies a batch's
+    most-used experts into (--pcie-experts in batched decode); the slots of the step's other experts are -1."""
+
+    def __init__(self, loader: WeightLoader, regions: dict[str, StagedMatrix], capacity: int) -> None:
+        self.loader, self.regions, self.capacity = loader, regions, capacity
+
+    def experts(self, name: str) -> Experts:
+        from tandem.cuda.qlinear import GPUQuantWeight
+        from tandem.cuda.weights import GPUQuantExperts
+
+        info = self.loader.info(name)
+        weight = GPUQuantWeight(self.regions[name].window, info.qtype, (self.capacity, *info.shape[1:]))
+        return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=True, skips=True)
+
+    def vector(self, name: str) -> torch.Tensor:
+        info = self.loader.info(name)  # F32 (streamable): one row per expert
+        return self.regions[name].window.view(torch.float32).view(self.capacity, *info.shape[1:])
 
 
 class _StreamedSource:

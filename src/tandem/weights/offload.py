@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from tandem.layers.linear import Experts, GGMLLinear
@@ -31,7 +32,7 @@ from tandem.layers.moe import Pending, RoutedExperts, Routing, split_routing, sp
 
 if TYPE_CHECKING:
     from tandem.cuda.graphs import SegmentedGraph
-    from tandem.cuda.host_memory import HostFlag
+    from tandem.cuda.host_memory import HostCopies, HostFlag
     from tandem.cuda.qlinear import GPUQuantWeight
 
 HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
@@ -308,8 +309,11 @@ class OffloadedExperts:
     pcie_slots: int = 0  # of each token's selected experts, how many `pcie` computes (the last ones)
     resident: RoutedExperts | None = None  # built over the experts cached in VRAM, by slot
     slot_map: torch.Tensor | None = None  # [E] int32 on the GPU: each expert's slot in `resident`, or -1
+    staged: RoutedExperts | None = None  # --pcie-experts in a batch: built over `staging`'s slots in the window
+    staging: ExpertStaging | None = None
     host: HostCall = field(init=False)
     host_by_expert: HostCall | None = field(init=False)  # the CPU's part of a batch split by expert
+    host_staged: HostCall | None = field(init=False)  # the CPU's part of a batch whose other experts are staged
 
     def __post_init__(self) -> None:
         def host_op() -> HostCall:
@@ -318,13 +322,19 @@ class OffloadedExperts:
                 bind=self._bind if hasattr(self.on_cpu, "bind") else None,
             )
 
-        self.host_by_expert = None
+        self.host_by_expert = self.host_staged = None
         if self.resident is not None:  # the CPU's part of a split: packed slots, a count per row
             assert self.slot_map is not None
             self.host = HostCall(self._packed_cpu, bind=self._bind_packed if hasattr(self.on_cpu, "bind") else None)
             return
         self.host = host_op()
-        self.host_by_expert = host_op() if self.pcie is not None and self.pcie_slots > 0 else None
+        if self.pcie is None or self.pcie_slots == 0:
+            return
+        if self.staging is not None and self.staged is not None:
+            bind = self._bind_staged if hasattr(self.on_cpu, "bind") else None
+            self.host_staged = HostCall(self._staged_cpu, bind=bind)
+        else:
+            self.host_by_expert = host_op()
 
     def _bind(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
         return self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
@@ -365,13 +375,38 @@ class OffloadedExperts:
 
         return run
 
+    def _staged_cpu(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """ggml's part of a batch whose most-used experts the GPU computes from the window: the staging copies
+        start, ggml computes the other slots (the staged ones become weight-0 fillers), the copies are awaited."""
+        assert self.staging is not None
+        x, ids, weights = xs
+        self.staging.select(ids.numpy(), weights.numpy())
+        out = self.on_cpu(x, Routing(ids=ids, weights=weights))
+        self.staging.wait()
+        return out
+
+    def _bind_staged(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
+        """`_staged_cpu` on fixed buffers: the ids and weights rewritten in place before the prepared graph runs."""
+        assert self.staging is not None
+        bound = self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
+        if bound is None:
+            return None
+        staging, ids, weights = self.staging, xs[1].numpy(), xs[2].numpy()
+
+        def run() -> None:
+            staging.select(ids, weights)
+            bound()
+            staging.wait()
+
+        return run
+
     def __call__(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.start(x, routing)()
 
     @property
     def hosts(self) -> list[HostCall]:
         """The host ops (boundaries of a captured step): one, and with --pcie-experts the batches' own."""
-        return [self.host] if self.host_by_expert is None else [self.host, self.host_by_expert]
+        return [h for h in (self.host, self.host_by_expert, self.host_staged) if h is not None]
 
     def start(self, x: torch.Tensor, routing: Routing) -> Pending:
         """Begin the experts; the CPU computes them while the caller queues GPU work, until the result is asked."""
@@ -382,6 +417,8 @@ class OffloadedExperts:
             return lambda: out
         if self.pcie is None or self.pcie_slots == 0:
             return self.host.start(self._host_inputs(x, routing), x.shape, x.dtype)
+        if x.shape[0] >= PCIE_BY_EXPERT_ROWS and self.host_staged is not None:
+            return self._start_staged(x, routing)
         host = self.host
         if x.shape[0] >= PCIE_BY_EXPERT_ROWS and self.host_by_expert is not None:
             cpu, gpu = split_by_expert(routing, self.pcie_slots)
@@ -393,6 +430,22 @@ class OffloadedExperts:
         pending = host.start(self._host_inputs(x, cpu), x.shape, x.dtype)
         over_pcie = self.pcie(x, gpu)  # queued after the host op's inputs: runs while the CPU computes
         return lambda: pending() + over_pcie
+
+    def _start_staged(self, x: torch.Tensor, routing: Routing) -> Pending:
+        """A batch with --pcie-experts: the host op stages its most-used experts in the window while ggml computes
+        the rest; once it returns, the GPU computes the staged ones there (their slots from `staging.slot_map`,
+        which the host op wrote) and the two parts add up."""
+        assert self.host_staged is not None and self.staging is not None and self.staged is not None
+        pending = self.host_staged.start(self._host_inputs(x, routing), x.shape, x.dtype)
+        slot_map, staged = self.staging.slot_map, self.staged
+
+        def finish() -> torch.Tensor:
+            out = pending()  # queued after the host op: the window and the slot map hold this step's experts
+            ids = slot_map[routing.ids.long()]
+            weights = torch.where(ids >= 0, routing.weights, 0.0)
+            return out + staged(x, Routing(ids=ids, weights=weights))
+
+        return finish
 
     def _start_split(self, x: torch.Tensor, routing: Routing) -> Pending:
         """The layer's cached experts on the GPU, the others on the CPU (and over PCIe), at the same time."""
@@ -420,6 +473,82 @@ class OffloadedExperts:
     @staticmethod
     def _host_inputs(x: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
         return [x.float(), routing.ids.to(torch.int32), routing.weights.float()]
+
+
+@dataclass(frozen=True)
+class StagedMatrix:
+    """One expert tensor of a layer (a stacked matrix, or a vector of one row per expert) as `ExpertStaging`
+    copies it: its bytes in host RAM (page-locked) and its region of the window, room for `capacity` experts."""
+
+    host: torch.Tensor  # uint8, [E * expert_bytes], in the registered file mapping
+    window: torch.Tensor  # uint8 on the GPU, [capacity * expert_bytes]
+    expert_bytes: int
+
+
+class ExpertStaging:
+    """--pcie-experts in a batched decode step: the GPU computes the step's most-used CPU experts from copies
+    of their blocks in the prefill window, made by the host op while ggml computes the others.
+
+    A batch's tokens share experts, so the GPU takes whole experts (as `split_by_expert` does). Read in place
+    over PCIe by a GEMM's tiles those take far longer than their bytes at PCIe speed (each tile's loads wait for
+    the bus in turn); DMA copies of whole experts run at PCIe speed. The host op knows the step's routing: it
+    takes K/A of the routed experts (most slots first) up to what the window holds, copies their blocks (runs
+    of consecutive ids in one copy each) and the layer's slot map [E] (-1: not staged) on the copy stream,
+    turns their slots into weight-0 fillers for ggml, runs ggml and waits for the copies before it returns.
+    Decode steps and prefill steps never overlap (a step's tokens are read on the host before the next), and
+    a layer's host op runs after the previous layer's kernels, so the window is free when it is written.
+    """
+
+    def __init__(self, matrices: list[StagedMatrix], capacity: int, n_experts: int, pcie_slots: int,
+                 copies: HostCopies, device: torch.device) -> None:  # fmt: skip
+        from tandem.cuda.host_memory import pinned_empty
+
+        self.matrices, self.capacity, self.pcie_slots = matrices, capacity, pcie_slots
+        self.copies = copies  # on the window's copy stream
+        self.slot_map = torch.full((n_experts,), -1, dtype=torch.int32, device=device)
+        self._slot_map_host = pinned_empty((n_experts,), torch.int32)
+        self.staged_total = 0  # experts staged so far (tests, profiles)
+
+    def choose(self, ids: np.ndarray) -> np.ndarray:
+        """The experts to stage for a step routed to `ids` [T, A], sorted by id."""
+        counts = np.bincount(ids.ravel(), minlength=self._slot_map_host.numel())
+        routed = np.flatnonzero(counts)
+        share = self.pcie_slots / ids.shape[1]
+        n = min(self.capacity, len(routed) - 1, int(len(routed) * share + 0.5))
+        if n <= 0:
+            return routed[:0]
+        return np.sort(routed[np.argsort(-counts[routed], kind="stable")[:n]])
+
+    def select(self, ids: np.ndarray, weights: np.ndarray) -> None:
+        """Stage the chosen experts (copies enqueued) and rewrite `ids` / `weights` [T, A] in place for ggml: a
+        staged slot becomes a weight-0 filler naming an expert ggml computes anyway (the row's first own one,
+        or any unstaged routed expert for a row with none)."""
+        chosen = self.choose(ids)
+        slots = self._slot_map_host.numpy()
+        slots.fill(-1)
+        slots[chosen] = np.arange(len(chosen), dtype=np.int32)
+        copies = self.copies
+        if len(chosen):
+            breaks = np.flatnonzero(np.diff(chosen) != 1) + 1
+            starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(chosen)]))
+            for m in self.matrices:
+                eb, dst, src = m.expert_bytes, m.window.data_ptr(), m.host.data_ptr()
+                for s0, s1 in zip(starts.tolist(), ends.tolist(), strict=True):
+                    copies.enqueue(dst + s0 * eb, src + int(chosen[s0]) * eb, (s1 - s0) * eb)
+        copies.enqueue(self.slot_map.data_ptr(), self._slot_map_host.data_ptr(), slots.nbytes)
+        self.staged_total += len(chosen)
+        on_gpu = slots[ids] >= 0
+        if not on_gpu.any():
+            return
+        mine = ~on_gpu
+        first_own = ids[np.arange(ids.shape[0]), mine.argmax(axis=1)]
+        spare = ids[mine][0] if mine.any() else int(np.flatnonzero(slots < 0)[0])
+        filler = np.where(mine.any(axis=1), first_own, spare)
+        ids[on_gpu] = np.broadcast_to(filler[:, None], ids.shape)[on_gpu]
+        weights[on_gpu] = 0.0
+
+    def wait(self) -> None:
+        self.copies.wait()
 
 
 def pcie_side(ids: torch.Tensor, k: int, n_active: int) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""Where a batched step spends its time (run on the device): N sequences decoding together, and N prompts
+prefilled together, per placement.
+
+    python bench/profile_batched.py MODEL [--placements all,cpu-moe] [--seqs 16] [-t 16] [--pp 128]
+
+For each placement: the wall time of a decode step of N rows (the mean over 16 steps), the GPU kernels of a few
+such steps (torch profiler, graph replays included) by total GPU time, with their count per step, and the same
+for the prefill of N prompts of PP tokens. What bench/batched_compare.py measures end to end, taken apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import tandem
+from tandem.runtime.sampling import Sampler, SamplingParams
+
+PLACEMENTS = {"all": {}, "cpu-moe": {"cpu_moe": True}, "cpu-moe+pcie3": {"cpu_moe": True, "pcie_experts": 3}}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _admit(llm: tandem.LLM, n: int, pp: int, tg: int, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    for cache in llm.engine.pool.caches:
+        cache.truncate(0)
+    prompts = [torch.randint(0, llm.config.n_vocab, (pp,), generator=gen).tolist() for _ in range(n)]
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    return [llm.engine.add_request(p, greedy, tg, frozenset()) for p in prompts]
+
+
+def _table(prof: profile, steps: int, rows: int) -> str:
+    """GPU kernels and copies by total time: ms per step, count per step, name."""
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in by_name.values()) / steps / 1e3
+    lines = [f"  GPU time {total:.2f} ms per step, {sum(len(v) for v in by_name.values()) / steps:.0f} kernels/copies"]
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]
+    lines += [f"  {sum(v) / steps / 1e3:7.3f} ms  x{len(v) / steps:5.1f}  {name[:100]}" for name, v in ranked]
+    return "\n".join(lines)
+
+
+def profile_placement(path: str, name: str, n: int, pp: int, threads: int, rows: int) -> None:
+    start = time.perf_counter()
+    llm = tandem.LLM(path, n_ctx=pp + 64, n_parallel=n, threads=threads, **PLACEMENTS[name])
+    engine = llm.engine
+    print(f"== {name}: {n} sequences, pp {pp} (loaded in {time.perf_counter() - start:.1f} s)", flush=True)
+    for rep in range(2):  # the first captures the graphs and tunes the kernels of these shapes
+        seqs = _admit(llm, n, pp, 40, seed=rep)
+        _sync()
+        t0 = time.perf_counter()
+        while not all(s.n_output for s in seqs):
+            engine.step()
+        _sync()
+        t1 = time.perf_counter()
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+        _sync()
+        t2 = time.perf_counter()
+        print(
+            f"  rep {rep}: prefill of {n}x{pp} tokens {t1 - t0:.3f} s ({n * pp / (t1 - t0):.0f} tok/s); "
+            f"{steps} decode steps of {n} rows: {(t2 - t1) / steps * 1e3:.2f} ms per step "
+            f"({n * steps / (t2 - t1):.1f} tok/s)",
+            flush=True,
+        )
+    seqs = _admit(llm, n, pp, 24, seed=7)
+    with profile(activities=[ProfilerActivity.CUDA]) as prefill:
+        while not all(s.n_output for s in seqs):
+            engine.step()
+        _sync()
+    print(f"prefill of {n} prompts:\n{_table(prefill, 1, rows)}")
+    for _ in range(4):
+        engine.step()
+    _sync()
+    steps = 8
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as decode:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = (time.perf_counter() - t0) / steps * 1e3
+    print(f"decode step of {n} rows (profiled: {wall:.2f} ms wall per step):\n{_table(decode, steps, rows)}")
+    while engine.has_work:
+        engine.step()
+    llm.close()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--placements", default="all,cpu-moe")
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("-t", "--threads", type=int, default=16)
+    p.add_argument("--rows", type=int, default=18, help="kernels listed per table")
+    args = p.parse_args()
+    for name in args.placements.split(","):
+        profile_placement(args.model, name, args.seqs, args.pp, args.threads, args.rows)
+
+
+if __name__ == "__main__":
+    main()
