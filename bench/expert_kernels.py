@@ -37,7 +37,7 @@ def _time_us(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", default="1,4,8,16,32,64,128")
+    p.add_argument("--tokens", default="1,4,8,16,32", help="tokens per step, at most 32 (a decode step)")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--active", type=int, default=8)
     args = p.parse_args()
@@ -60,7 +60,8 @@ def main() -> None:
                 run = functools.partial(qmatmul_id, x, w, ids)
                 times[kernel] = _time_us(run) if kernel == "qmv" or not small else None
             qlinear.QMV_SLOTS_PER_EXPERT = chosen
-            picked = "qmv" if t * args.active <= max(2 * qlinear.QMV_MAX_ROWS, chosen * args.experts) else "grouped"
+            per_expert = t <= 2 * qlinear.QMV_MAX_ROWS and t * args.active <= chosen * args.experts
+            picked = "qmv" if t * args.active <= 2 * qlinear.QMV_MAX_ROWS or per_expert else "grouped"
             grouped = f"{times['grouped']:10.1f}" if times["grouped"] is not None else f"{'-':>10}"
             print(f"{name:>8} {qtype.name:>5} {t:6d} {t * args.active:5d} {times['qmv']:8.1f} {grouped}  {picked}")
 

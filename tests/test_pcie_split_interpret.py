@@ -34,6 +34,7 @@ from tandem.placement import expert_layer
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
 from tandem.weights.loader import WeightLoader, _PCIeSource
+from tandem.weights.offload import OffloadedExperts
 
 TYPES = [gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")]
 
@@ -109,10 +110,10 @@ class _MemmoveCopies:
 def test_staged_experts_mix_to_ggml_alone(
     fixture: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--pcie-experts in a batch (weights/offload.py ExpertStaging): the host op picks the step's most-used
-    experts, copies their blocks into window slots and turns their slots into weight-0 fillers for ggml; the
-    experts built over the window compute the staged slots. The two parts mix to ggml alone, for batches of
-    several sizes; gpt-oss's expert biases are staged with their matrices."""
+    """--pcie-experts in a batch (weights/offload.py ExpertStaging): the host part picks the step's most-used
+    experts, copies their blocks into window slots and has ggml compute the other slots; the experts built over
+    the window compute the staged ones. The two parts mix to ggml alone, on the prepared buffers of a captured
+    step and eagerly; gpt-oss's expert biases are staged with their matrices."""
     import tandem.cuda.host_memory as host_memory
 
     path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
@@ -136,23 +137,34 @@ def test_staged_experts_mix_to_ggml_alone(
             assert made is not None
             staged, staging = made
             on_cpu = build(loader)
+            offloaded = OffloadedExperts(on_cpu=on_cpu, streamed=None, stage_vectors=None, min_batch=33,
+                                         pcie=staged, pcie_slots=1, staged=staged, staging=staging)  # fmt: skip
+            assert offloaded.host_staged is not None
             n_experts, width = on_cpu.down.weight.shape[:2]  # type: ignore[attr-defined]
             gen = torch.Generator().manual_seed(layer)
-            for rows in (5, 16):
-                x = torch.randn(rows, width, generator=gen)
-                ids = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(rows)]).int()
+            rows = 16
+            x, ids, weights = torch.empty(rows, width), torch.empty(rows, 2, dtype=torch.int32), torch.empty(rows, 2)
+            out = torch.empty(rows, width)
+            bound = offloaded._bind_staged([x, ids, weights], out)  # the captured step's host part
+            assert bound is not None
+            for n in (5, 16):  # fewer rows: the eager host part, prepared per call
+                x[:] = torch.randn(rows, width, generator=gen)
+                ids[:] = torch.stack([torch.randperm(n_experts, generator=gen)[:2] for _ in range(rows)])
                 ids[0] = ids[1]  # two rows alike: the most-used experts are shared
-                weights = torch.softmax(torch.randn(rows, 2, generator=gen), dim=-1)
-                alone = on_cpu(x, Routing(ids, weights))
-                cpu_ids, cpu_weights = ids.clone(), weights.clone()
+                weights[:] = torch.softmax(torch.randn(rows, 2, generator=gen), dim=-1)
+                xs = [x[:n], ids[:n], weights[:n]]
+                alone = on_cpu(xs[0], Routing(xs[1], xs[2]))
                 before = staging.staged_total
-                staging.select(cpu_ids.numpy(), cpu_weights.numpy())
+                if n == rows:
+                    bound()
+                    cpu_part = out.clone()
+                else:
+                    cpu_part = offloaded._staged_cpu(xs)
                 assert staging.staged_total > before
-                slots = staging.slot_map[ids.long()]
-                assert ((slots >= 0) == (cpu_weights == 0)).all()  # a staged slot is a filler for ggml
-                gpu_part = staged(x, Routing(slots, torch.where(slots >= 0, weights, 0.0)))
-                split = on_cpu(x, Routing(cpu_ids, cpu_weights)) + gpu_part
-                assert _rel(split, alone) < 1e-5, (rows, _rel(split, alone))
+                slots = staging.slot_map[xs[1].long()]  # the host part wrote the step's slot map
+                gpu_part = staged(xs[0], Routing(slots, torch.where(slots >= 0, xs[2], 0.0)))
+                assert _rel(cpu_part + gpu_part, alone) < 1e-5, (n, _rel(cpu_part + gpu_part, alone))
+                assert _rel(cpu_part, alone) > 1e-3  # each side computed a real part
 
 
 def test_pcie_geglu_reads_ggml_table() -> None:

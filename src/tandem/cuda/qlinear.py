@@ -27,11 +27,11 @@ from tandem.cuda import qkernels as qk
 from tandem.quant.types import GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES
 
 QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
-# Selected experts in VRAM: `_qmv` reads an expert's blocks once per slot, `_grouped_qmm` once per tile of BM
-# slots but decodes them into tensor-core tiles mostly padding when an expert has one or two slots. Up to this
-# many slots per expert on average (a batched decode step: 16 tokens give 128 slots over 128 experts) the
-# re-reads cost less than that padding.
-QMV_SLOTS_PER_EXPERT = 4
+# Selected experts in VRAM, a decode step's tokens (at most 2 * QMV_MAX_ROWS): `_qmv` reads an expert's blocks
+# once per slot, `_grouped_qmm` once per tile of BM slots but decodes them into tensor-core tiles that are
+# mostly padding when an expert has one or two slots. Up to this many slots per expert on average the
+# re-reads cost less (bench/expert_kernels.py; docs/PERFORMANCE.md).
+QMV_SLOTS_PER_EXPERT = 2
 DEQUANT_BN = 16
 GQMM_MIN_BM, GQMM_MAX_BM = 16, 64  # slots per tile of the grouped expert GEMM (tl.dot needs >= 16)
 
@@ -134,7 +134,7 @@ def qmatmul_id(
     r = flat.numel()
     # `_qmv` writes every row, zeros for -1. Blocks read over PCIe (`host_mapped`) are read once per slot by it,
     # and a split's filler slots (weight 0) name experts the side reads anyway: many slots group instead.
-    per_expert_ok = r <= QMV_SLOTS_PER_EXPERT * w.shape[0] and not w.host_mapped
+    per_expert_ok = t <= 2 * QMV_MAX_ROWS and r <= QMV_SLOTS_PER_EXPERT * w.shape[0] and not w.host_mapped
     small = (r <= 2 * QMV_MAX_ROWS or per_expert_ok) and w.stream is None
     y = (torch.zeros if skips and not small else torch.empty)(r, n, dtype=x.dtype, device=x.device)
     if r == 0:

@@ -374,8 +374,12 @@ class WeightLoader:
         (weights/offload.py ExpertStaging); no VRAM of their own. None for a layer whose expert does not fit the
         window: its batches split by expert over PCIe in place."""
         n_experts = infos[0].shape[0]
+        vectors = [i for i in infos if len(i.shape) < 3]
         per_expert = sum(i.n_bytes // n_experts for i in infos)
-        capacity = min(n_experts, (2 * stream.slot_bytes - len(infos) * STAGING_ALIGN) // per_expert)
+        map_bytes = staging_aligned(4 * n_experts)  # the slot map, at the end of the window's slots
+        zero_rows = sum(i.n_bytes // n_experts for i in vectors)
+        room = 2 * stream.slot_bytes - map_bytes - len(infos) * STAGING_ALIGN - zero_rows
+        capacity = min(n_experts, room // per_expert)
         if capacity < 1:
             return None
         if self._copies is None:
@@ -386,11 +390,14 @@ class WeightLoader:
         at = 0
         for info in infos:
             eb = info.n_bytes // n_experts
-            regions[info.name] = StagedMatrix(_as_torch_bytes(info.data), stream.window[at : at + capacity * eb], eb)
-            at = staging_aligned(at + capacity * eb)
+            rows = capacity + 1 if len(info.shape) < 3 else capacity  # a vector's extra row: the unstaged slots'
+            window = stream.window[at : at + rows * eb]
+            regions[info.name] = StagedMatrix(_as_torch_bytes(info.data), window, eb, vector=len(info.shape) < 3)
+            at = staging_aligned(at + rows * eb)
+        map_at = 2 * stream.slot_bytes - map_bytes
+        slot_map = stream.window[map_at : map_at + 4 * n_experts].view(torch.int32)
         staged = self._ggml_valued(build(_StagedSource(self, regions, capacity)))
-        staging = ExpertStaging(list(regions.values()), capacity, n_experts, self.pcie_experts, self._copies,
-                                self.compute_device)  # fmt: skip
+        staging = ExpertStaging(list(regions.values()), capacity, slot_map, self.pcie_experts, self._copies)
         return staged, staging
 
     def _cached_experts(
@@ -537,8 +544,8 @@ class _StagedSource:
         return GPUQuantExperts(weight, self.loader.ieee, ggml_inputs=True, skips=True)
 
     def vector(self, name: str) -> torch.Tensor:
-        info = self.loader.info(name)  # F32 (streamable): one row per expert
-        return self.regions[name].window.view(torch.float32).view(self.capacity, *info.shape[1:])
+        info = self.loader.info(name)  # F32 (streamable): one row per expert, and the zero row of slot -1
+        return self.regions[name].window.view(torch.float32).view(self.capacity + 1, *info.shape[1:])
 
 
 class _StreamedSource:

@@ -13,8 +13,9 @@ Decode with `--pcie-experts K` (opt-in): the GPU computes K of each token's sele
 blocks in host RAM over PCIe (device views of the page-locked file, no copy, no VRAM) while ggml computes the
 others. The two readers together read host memory faster than ggml alone, so a layer's experts take less time
 split (`bench/split_experts.py` measures it; docs/FLAGS.md). The weights stay where the plan put them. One token
-splits by slot (its last K experts go to the GPU); a batch of several splits by expert (`split_by_expert`): the
-sequences of a batched decode share experts, and a split by slot would have both sides read most of them.
+splits by slot (its last K experts go to the GPU); a batch of several splits by expert (`ExpertStaging`): the
+sequences of a batched decode share experts, so the host op copies the step's most-used ones into the prefill
+window for the GPU while ggml computes the others.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
     from tandem.cuda.qlinear import GPUQuantWeight
 
 HOST_CALL_ROWS = 32  # rows of a host op's page-locked buffers (decode and small batches)
-# From this many rows a --pcie-experts batch splits its experts by expert rather than by slot (split_by_expert).
+# From this many rows a --pcie-experts batch splits its experts by expert rather than by slot (ExpertStaging).
 PCIE_BY_EXPERT_ROWS = 4
+SLOT_BUCKET = 8  # ggml's part of a staged batch runs one prepared graph per this many of its slots
 
 
 # Set to 0 to capture the decode step in segments replayed in order, without HostFlags (for measuring).
@@ -312,7 +314,6 @@ class OffloadedExperts:
     staged: RoutedExperts | None = None  # --pcie-experts in a batch: built over `staging`'s slots in the window
     staging: ExpertStaging | None = None
     host: HostCall = field(init=False)
-    host_by_expert: HostCall | None = field(init=False)  # the CPU's part of a batch split by expert
     host_staged: HostCall | None = field(init=False)  # the CPU's part of a batch whose other experts are staged
 
     def __post_init__(self) -> None:
@@ -322,19 +323,15 @@ class OffloadedExperts:
                 bind=self._bind if hasattr(self.on_cpu, "bind") else None,
             )
 
-        self.host_by_expert = self.host_staged = None
+        self.host_staged = None
         if self.resident is not None:  # the CPU's part of a split: packed slots, a count per row
             assert self.slot_map is not None
             self.host = HostCall(self._packed_cpu, bind=self._bind_packed if hasattr(self.on_cpu, "bind") else None)
             return
         self.host = host_op()
-        if self.pcie is None or self.pcie_slots == 0:
-            return
-        if self.staging is not None and self.staged is not None:
+        if self.pcie is not None and self.pcie_slots > 0 and self.staging is not None and self.staged is not None:
             bind = self._bind_staged if hasattr(self.on_cpu, "bind") else None
             self.host_staged = HostCall(self._staged_cpu, bind=bind)
-        else:
-            self.host_by_expert = host_op()
 
     def _bind(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
         return self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
@@ -376,26 +373,64 @@ class OffloadedExperts:
         return run
 
     def _staged_cpu(self, xs: list[torch.Tensor]) -> torch.Tensor:
-        """ggml's part of a batch whose most-used experts the GPU computes from the window: the staging copies
-        start, ggml computes the other slots (the staged ones become weight-0 fillers), the copies are awaited."""
-        assert self.staging is not None
-        x, ids, weights = xs
-        self.staging.select(ids.numpy(), weights.numpy())
-        out = self.on_cpu(x, Routing(ids=ids, weights=weights))
-        self.staging.wait()
+        """ggml's part of a batch whose most-used experts the GPU computes from the window (`_bind_staged`,
+        prepared anew for these buffers)."""
+        def eager(x: torch.Tensor, routing: Routing, y: torch.Tensor) -> Callable[[], None]:
+            def run() -> None:
+                y.copy_(self.on_cpu(x, routing))
+
+            return run
+
+        out = torch.empty(xs[0].shape, dtype=torch.float32)  # the experts map the hidden size to itself
+        run = self._staged_run(xs, out, eager)
+        assert run is not None
+        run()
         return out
 
     def _bind_staged(self, xs: list[torch.Tensor], out: torch.Tensor) -> Callable[[], None] | None:
-        """`_staged_cpu` on fixed buffers: the ids and weights rewritten in place before the prepared graph runs."""
+        """The host part of a staged batch on fixed buffers, ggml's graphs prepared per bucket of slots."""
+        bind = self.on_cpu.bind  # type: ignore[attr-defined]
+        return self._staged_run(xs, out, bind)
+
+    def _staged_run(
+        self, xs: list[torch.Tensor], out: torch.Tensor,
+        bind: Callable[[torch.Tensor, Routing, torch.Tensor], Callable[[], None] | None],
+    ) -> Callable[[], None] | None:  # fmt: skip
+        """The host part of a staged batch: stage the step's most-used experts (the copies run meanwhile), then
+        ggml computes every other slot as a token of its own ([S, 1] routing over the slots' rows of x, S
+        rounded up to SLOT_BUCKET with weight-0 padding), summed back into each token's row of `out`; the copies
+        are awaited last. Computing only its own slots is the point: ggml's time grows with the slots as well
+        as with the experts' bytes. `bind(x, routing, out)` prepares ggml's graph over those buffers."""
         assert self.staging is not None
-        bound = self.on_cpu.bind(xs[0], Routing(ids=xs[1], weights=xs[2]), out)  # type: ignore[attr-defined]
-        if bound is None:
-            return None
-        staging, ids, weights = self.staging, xs[1].numpy(), xs[2].numpy()
+        x, ids, weights = xs
+        rows, a = ids.shape
+        cap = -(-rows * a // SLOT_BUCKET) * SLOT_BUCKET
+        x_s = torch.zeros(cap, x.shape[1], dtype=torch.float32)
+        ids_s = torch.zeros(cap, 1, dtype=torch.int32)
+        w_s = torch.zeros(cap, 1, dtype=torch.float32)
+        out_s = torch.zeros(cap, out.shape[1], dtype=torch.float32)
+        runs = {}
+        for s in range(SLOT_BUCKET, cap + 1, SLOT_BUCKET):
+            runs[s] = bind(x_s[:s], Routing(ids=ids_s[:s], weights=w_s[:s]), out_s[:s])
+            if runs[s] is None:
+                return None
+        staging, ids_np, w_np, ids_s_np, w_s_np = self.staging, ids.numpy(), weights.numpy(), ids_s.numpy(), w_s.numpy()
 
         def run() -> None:
-            staging.select(ids, weights)
-            bound()
+            mine = ~staging.select(ids_np)  # [rows, A]: the slots ggml computes
+            flat = np.flatnonzero(mine)
+            n = len(flat)
+            out.zero_()
+            if n:
+                s = -(-n // SLOT_BUCKET) * SLOT_BUCKET
+                tokens = torch.from_numpy(flat // a)
+                torch.index_select(x, 0, tokens, out=x_s[:n])
+                ids_s_np[:n, 0] = ids_np.reshape(-1)[flat]
+                w_s_np[:n, 0] = w_np.reshape(-1)[flat]
+                ids_s_np[n:s, 0] = ids_s_np[0, 0]  # padding: an expert read anyway, weight 0
+                w_s_np[n:s, 0] = 0.0
+                runs[s]()  # type: ignore[misc]
+                out.index_add_(0, tokens, out_s[:n])
             staging.wait()
 
         return run
@@ -406,7 +441,7 @@ class OffloadedExperts:
     @property
     def hosts(self) -> list[HostCall]:
         """The host ops (boundaries of a captured step): one, and with --pcie-experts the batches' own."""
-        return [h for h in (self.host, self.host_by_expert, self.host_staged) if h is not None]
+        return [self.host] if self.host_staged is None else [self.host, self.host_staged]
 
     def start(self, x: torch.Tensor, routing: Routing) -> Pending:
         """Begin the experts; the CPU computes them while the caller queues GPU work, until the result is asked."""
@@ -417,17 +452,14 @@ class OffloadedExperts:
             return lambda: out
         if self.pcie is None or self.pcie_slots == 0:
             return self.host.start(self._host_inputs(x, routing), x.shape, x.dtype)
-        if x.shape[0] >= PCIE_BY_EXPERT_ROWS and self.host_staged is not None:
-            return self._start_staged(x, routing)
-        host = self.host
-        if x.shape[0] >= PCIE_BY_EXPERT_ROWS and self.host_by_expert is not None:
-            cpu, gpu = split_by_expert(routing, self.pcie_slots)
-            host = self.host_by_expert  # its ids buffer holds every slot
-        else:
-            on_cpu = routing.ids.shape[1] - self.pcie_slots
-            cpu = Routing(ids=routing.ids[:, :on_cpu], weights=routing.weights[:, :on_cpu])
-            gpu = Routing(ids=routing.ids[:, on_cpu:], weights=routing.weights[:, on_cpu:])
-        pending = host.start(self._host_inputs(x, cpu), x.shape, x.dtype)
+        if x.shape[0] >= PCIE_BY_EXPERT_ROWS:  # a batch: whole experts staged, or (no room) all on the CPU
+            if self.host_staged is not None:
+                return self._start_staged(x, routing)
+            return self.host.start(self._host_inputs(x, routing), x.shape, x.dtype)
+        on_cpu = routing.ids.shape[1] - self.pcie_slots
+        cpu = Routing(ids=routing.ids[:, :on_cpu], weights=routing.weights[:, :on_cpu])
+        gpu = Routing(ids=routing.ids[:, on_cpu:], weights=routing.weights[:, on_cpu:])
+        pending = self.host.start(self._host_inputs(x, cpu), x.shape, x.dtype)
         over_pcie = self.pcie(x, gpu)  # queued after the host op's inputs: runs while the CPU computes
         return lambda: pending() + over_pcie
 
@@ -478,35 +510,40 @@ class OffloadedExperts:
 @dataclass(frozen=True)
 class StagedMatrix:
     """One expert tensor of a layer (a stacked matrix, or a vector of one row per expert) as `ExpertStaging`
-    copies it: its bytes in host RAM (page-locked) and its region of the window, room for `capacity` experts."""
+    copies it: its bytes in host RAM (page-locked) and its region of the window, room for `capacity` experts
+    (vectors: one more row, kept zero, which the slots of unstaged experts (-1) read)."""
 
     host: torch.Tensor  # uint8, [E * expert_bytes], in the registered file mapping
-    window: torch.Tensor  # uint8 on the GPU, [capacity * expert_bytes]
+    window: torch.Tensor  # uint8 on the GPU, [capacity * expert_bytes] (vectors: [(capacity + 1) * expert_bytes])
     expert_bytes: int
+    vector: bool = False
 
 
 class ExpertStaging:
     """--pcie-experts in a batched decode step: the GPU computes the step's most-used CPU experts from copies
-    of their blocks in the prefill window, made by the host op while ggml computes the others.
+    of their bytes in the prefill window, made by the host op while ggml computes the others.
 
-    A batch's tokens share experts, so the GPU takes whole experts (as `split_by_expert` does). Read in place
-    over PCIe by a GEMM's tiles those take far longer than their bytes at PCIe speed (each tile's loads wait for
-    the bus in turn); DMA copies of whole experts run at PCIe speed. The host op knows the step's routing: it
-    takes K/A of the routed experts (most slots first) up to what the window holds, copies their blocks (runs
-    of consecutive ids in one copy each) and the layer's slot map [E] (-1: not staged) on the copy stream,
-    turns their slots into weight-0 fillers for ggml, runs ggml and waits for the copies before it returns.
-    Decode steps and prefill steps never overlap (a step's tokens are read on the host before the next), and
-    a layer's host op runs after the previous layer's kernels, so the window is free when it is written.
+    A batch's tokens share experts, so the GPU takes whole experts. Read in place over PCIe by a GEMM's tiles
+    they took twice as long as ggml computing them all (a 16-row Qwen3-30B-A3B step, H200: 540 against 271 ms):
+    each tile's loads wait for the bus in turn. DMA copies of whole experts run at PCIe speed. The host op knows
+    the step's routing: it takes K/A of the routed experts (most slots first) up to what the window holds,
+    copies their bytes (runs of consecutive ids in one copy each), a zero row after each vector's slots and the
+    layer's slot map [E] (-1: not staged, in the window too: no VRAM of its own) on the copy stream, has ggml
+    compute the other slots, and waits for the copies before it returns. Decode steps and prefill steps never
+    overlap (a step's tokens are read on the host before the next), and a layer's host op runs after the
+    previous layer's kernels, so the window is free when it is written.
     """
 
-    def __init__(self, matrices: list[StagedMatrix], capacity: int, n_experts: int, pcie_slots: int,
-                 copies: HostCopies, device: torch.device) -> None:  # fmt: skip
+    def __init__(self, matrices: list[StagedMatrix], capacity: int, slot_map: torch.Tensor, pcie_slots: int,
+                 copies: HostCopies) -> None:  # fmt: skip
         from tandem.cuda.host_memory import pinned_empty
 
         self.matrices, self.capacity, self.pcie_slots = matrices, capacity, pcie_slots
         self.copies = copies  # on the window's copy stream
-        self.slot_map = torch.full((n_experts,), -1, dtype=torch.int32, device=device)
-        self._slot_map_host = pinned_empty((n_experts,), torch.int32)
+        self.slot_map = slot_map  # [E] int32, a view of the window
+        self._slot_map_host = pinned_empty(tuple(slot_map.shape), torch.int32)
+        zero_bytes = max((m.expert_bytes for m in matrices if m.vector), default=0)
+        self._zeros = pinned_empty((max(zero_bytes, 1),), torch.uint8).zero_()
         self.staged_total = 0  # experts staged so far (tests, profiles)
 
     def choose(self, ids: np.ndarray) -> np.ndarray:
@@ -519,10 +556,9 @@ class ExpertStaging:
             return routed[:0]
         return np.sort(routed[np.argsort(-counts[routed], kind="stable")[:n]])
 
-    def select(self, ids: np.ndarray, weights: np.ndarray) -> None:
-        """Stage the chosen experts (copies enqueued) and rewrite `ids` / `weights` [T, A] in place for ggml: a
-        staged slot becomes a weight-0 filler naming an expert ggml computes anyway (the row's first own one,
-        or any unstaged routed expert for a row with none)."""
+    def select(self, ids: np.ndarray) -> np.ndarray:
+        """Stage the chosen experts for `ids` [T, A] (the copies enqueued, not awaited: `wait`); returns which
+        slots the GPU computes [T, A] bool."""
         chosen = self.choose(ids)
         slots = self._slot_map_host.numpy()
         slots.fill(-1)
@@ -535,44 +571,11 @@ class ExpertStaging:
                 eb, dst, src = m.expert_bytes, m.window.data_ptr(), m.host.data_ptr()
                 for s0, s1 in zip(starts.tolist(), ends.tolist(), strict=True):
                     copies.enqueue(dst + s0 * eb, src + int(chosen[s0]) * eb, (s1 - s0) * eb)
+                if m.vector:  # the row the unstaged slots (-1) read: zero, as the window may hold anything
+                    copies.enqueue(dst + self.capacity * eb, self._zeros.data_ptr(), eb)
         copies.enqueue(self.slot_map.data_ptr(), self._slot_map_host.data_ptr(), slots.nbytes)
         self.staged_total += len(chosen)
-        on_gpu = slots[ids] >= 0
-        if not on_gpu.any():
-            return
-        mine = ~on_gpu
-        first_own = ids[np.arange(ids.shape[0]), mine.argmax(axis=1)]
-        spare = ids[mine][0] if mine.any() else int(np.flatnonzero(slots < 0)[0])
-        filler = np.where(mine.any(axis=1), first_own, spare)
-        ids[on_gpu] = np.broadcast_to(filler[:, None], ids.shape)[on_gpu]
-        weights[on_gpu] = 0.0
+        return slots[ids] >= 0
 
     def wait(self) -> None:
         self.copies.wait()
-
-
-def pcie_side(ids: torch.Tensor, k: int, n_active: int) -> torch.Tensor:
-    """Whether the GPU computes each of the experts `ids` when a batch splits by expert: k / n_active of all the
-    experts, evenly spread over their ids (e where floor((e + 1) k / n_active) > floor(e k / n_active))."""
-    e = ids.long()
-    return (e + 1) * k // n_active > e * k // n_active
-
-
-def split_by_expert(routing: Routing, k: int) -> tuple[Routing, Routing]:
-    """A batch's selected experts split by expert between the CPU and the GPU over PCIe (the GPU takes the
-    pcie_side ones, k / n_active of them), as (cpu, gpu) routings [T, A] each. Every slot stays on both sides;
-    on the side that does not compute its expert it becomes a filler of weight 0 naming an expert that side
-    computes anyway: the token's first one there, or the side's first expert id when it has none. So each side
-    reads only its own experts' blocks (and at most one other), and the two outputs add to the whole. On the
-    device, with no host sync: a captured step can split."""
-    ids, weights = routing.ids, routing.weights
-    n_active = ids.shape[1]
-    on_gpu = pcie_side(ids, k, n_active)
-
-    def side(mine: torch.Tensor, first: int) -> Routing:
-        own = ids.gather(1, mine.to(torch.float32).argmax(dim=1, keepdim=True))  # the first own slot's expert
-        filler = torch.where(mine.any(dim=1, keepdim=True), own, torch.full_like(own, first))
-        return Routing(ids=torch.where(mine, ids, filler), weights=torch.where(mine, weights, 0.0))
-
-    # Expert 0 is never a pcie_side one (k < n_active); -(-n_active // k) - 1 is the first that is.
-    return side(~on_gpu, 0), side(on_gpu, -(-n_active // k) - 1)
