@@ -77,7 +77,7 @@
 #   BATCHED="1,4,16" (after each model's matrix (which then takes half of its time), with HTTP's placements
 #     sharing the rest: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
-#     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well, which
+#     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3, each engine bounded by 2/3 of the placement's time; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well, which
 #     llama.cpp has no form of). MATRIX=none skips the matrix.
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
 #     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all" (NAME+pcieK as BATCHED's), prompt
@@ -388,7 +388,7 @@ for k in "${!targets[@]}"; do
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
         --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
         --tandem-flags "$tflags" --reps "${BATCHED_REPS:-3}" \
-        --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part / 2 ))" \
+        --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part * 2 / 3 ))" \
         --out "/tmp/batched_${name}_$placement" >"/tmp/batched_${name}_$placement.out" 2>&1
       say "batched $name $placement: exit $?"
       cat "/tmp/batched_${name}_$placement.out"
