@@ -33,7 +33,7 @@ from tandem.cuda.qlinear import GPUQuantWeight, qmatmul_id
 from tandem.cuda.routing import split_route
 from tandem.layers.moe import GLUExperts, Routing, RoutingCounts, split_routing, split_streamed
 from tandem.placement import expert_layer
-from tandem.weights.loader import WeightLoader
+from tandem.weights.loader import WeightLoader, _PCIeSource
 from tandem.weights.offload import OffloadedExperts
 
 
@@ -159,7 +159,7 @@ def test_split_layer_equals_ggml_alone(
             width = on_cpu.down.weight.shape[1]  # type: ignore[attr-defined]
             cached_ids = tuple(range(1, n_experts, 2))
             resident, slot_map = loader._cached_experts(layer, build, cached_ids, infos, ggml_values=True)
-            rest = loader._pcie_experts(build, skips=True)  # the host blocks read by the GPU kernels
+            rest = loader._ggml_valued(build(_PCIeSource(loader, skips=True)))  # host blocks, read by GPU kernels
             for pcie in (0, 1):
                 split = OffloadedExperts(
                     on_cpu=on_cpu, streamed=rest, stage_vectors=None, min_batch=16, resident=resident,
