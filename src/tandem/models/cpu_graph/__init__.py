@@ -3,7 +3,9 @@ graph, or a few, instead of layer by layer through torch and small ggml calls (m
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`decoder.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
-"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES`.
+"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES`. The graphs hold a MoE model's Q4_K expert
+stacks as ggml's repacked copies, as llama.cpp's CPU backend does (cpu_graph/experts.py): host RAM equal to those
+stacks, made when the graphs are set up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tandem.models.cpu_graph.decoder import (
     step_key,
     unsupported,
 )
+from tandem.models.cpu_graph.experts import graph_experts
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
@@ -55,6 +58,7 @@ class StepGraph:
         self.model, self.pool = model, pool
         self.kinds = attention_kinds(model)
         self.caches = [CacheCopies.of(layer) for layer in pool.layers]
+        self.experts = graph_experts(model, kernels.n_threads)
         self.runner = GraphRunner(kernels)
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 
@@ -80,7 +84,7 @@ class StepGraph:
         key = step_key(pieces, self.kinds, all_logits)
         step = self._programs.get(key)
         if step is None:
-            step = build_step(self.model, self.caches, key)
+            step = build_step(self.model, self.caches, key, self.experts)
             self._programs[key] = step
             while len(self._programs) > _MAX_PROGRAMS:
                 self._programs.popitem(last=False)
