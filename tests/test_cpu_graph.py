@@ -10,15 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import ggml
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 import tandem
 from tandem.api import default_model_path
+from tandem.layers.moe import MoE
 from tandem.models.cpu_graph import StepGraph
 from tandem.models.cpu_graph.decoder import unsupported
 from tandem.runtime.sampling import Sampler, SamplingParams
+from tandem.synth.writer import synthesize
 
 
 def _prompt(n: int, seed: int, n_vocab: int) -> list[int]:
@@ -125,3 +129,36 @@ def test_uncovered_models_keep_the_layer_path(fixture: str, request: pytest.Fixt
         assert unsupported(llm.model, llm.engine.pool) is not None
         assert StepGraph.create(llm.model, llm.engine.pool, force=True) is None
         assert llm.engine.runner.cpu_graph is None
+
+
+@pytest.fixture(scope="module")
+def synth_qwen3moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer synthetic Qwen3-30B-A3B: Q4_K expert stacks of the real shapes (128 experts, top-8)."""
+    return synthesize("qwen3-30b-a3b", tmp_path_factory.mktemp("graph-moe") / "q.gguf", layers=1, fill="random").path
+
+
+def test_graphs_multiply_q4k_experts_from_repacked_copies(synth_qwen3moe: Path) -> None:
+    """As llama.cpp's CPU backend holds a CPU-only model's experts: the graphs read ggml's repacked copies of the
+    Q4_K stacks (made when they are set up, the layer path's stacks left in the file), and their logits are the
+    layer path's with --repack-experts (the same kernels) up to the graphs' own routing and SwiGLU ops."""
+    if not ggml.ggml_cpu_has_avx2():
+        pytest.skip("ggml repacks Q4_K only with AVX2")
+    prompt = [2, 300, 1000, 77, 5, 4096, 12, 9000, 31, 64, 128, 7]
+    with tandem.LLM(synth_qwen3moe, device="cpu", n_ctx=64, threads=2, repack_experts=True) as llm:
+        ref = _run(llm, None, prompt, 3)
+    with tandem.LLM(synth_qwen3moe, device="cpu", n_ctx=64, threads=2) as llm:
+        graph = _graphs(llm)
+        moe = llm.model.blocks[0].ffn
+        assert isinstance(moe, MoE)
+        layer_ffn, graph_ffn = moe.experts._graph[1], graph.experts[id(moe)]  # type: ignore[union-attr]
+        for stack in ("gate", "up", "down"):  # gate and up Q4_K; down Q4_K or Q6_K (not repacked on x86)
+            theirs, ours = getattr(layer_ffn, stack), getattr(graph_ffn, stack)
+            assert theirs.repacked is None and ours.data is theirs.data, stack
+            if theirs.qtype == Q.Q4_K:
+                assert ours.repacked is not None, stack
+            else:
+                assert ours is theirs, stack
+        ours = _run(llm, graph, prompt, 3)
+    scale = float(np.abs(ref).max())
+    np.testing.assert_allclose(ours, ref, atol=1e-4 * scale, rtol=0)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()

@@ -3,7 +3,10 @@ graph, or a few, instead of layer by layer through torch and small ggml calls (m
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`decoder.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
-"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES`.
+"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3 and
+qwen3moe; qwen3, covered too, keeps the layer path unless switched on). The graphs hold a MoE model's Q4_K expert
+stacks as ggml's repacked copies, as llama.cpp's CPU backend does (cpu_graph/experts.py): host RAM equal to those
+stacks, made when the graphs are set up.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tandem.models.cpu_graph.decoder import (
     step_key,
     unsupported,
 )
+from tandem.models.cpu_graph.experts import graph_experts
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
@@ -33,7 +37,7 @@ __all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
 # Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
 # a benchmark showed them faster (docs/PERFORMANCE.md).
-DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3"})
+DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3", "qwen3moe"})
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 
@@ -55,6 +59,7 @@ class StepGraph:
         self.model, self.pool = model, pool
         self.kinds = attention_kinds(model)
         self.caches = [CacheCopies.of(layer) for layer in pool.layers]
+        self.experts = graph_experts(model, kernels.n_threads)
         self.runner = GraphRunner(kernels)
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 
@@ -80,7 +85,7 @@ class StepGraph:
         key = step_key(pieces, self.kinds, all_logits)
         step = self._programs.get(key)
         if step is None:
-            step = build_step(self.model, self.caches, key)
+            step = build_step(self.model, self.caches, key, self.experts)
             self._programs[key] = step
             while len(self._programs) > _MAX_PROGRAMS:
                 self._programs.popitem(last=False)

@@ -18,7 +18,7 @@ heads, N = a sequence's rows, S = the keys it reads, F = the MLP's width, V = vo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,7 +34,7 @@ from tandem.layers.moe import MoE, SoftmaxTopKRouter
 from tandem.models.blocks import Block
 from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
 from tandem.models.decoder import DecoderModel
-from tandem.quant.ggml_cpu import expert_ffn_nodes
+from tandem.quant.ggml_cpu import ExpertFFN, expert_ffn_nodes
 from tandem.quant.ggml_tiled import Q8_K_BYTES, TILED_MIN_ROWS
 from tandem.quant.ggml_weights import GGMLWeight
 from tandem.state.kv_cache import KVPool
@@ -266,14 +266,19 @@ class StepProgram:
 # -- building -----------------------------------------------------------------------------------------------------
 
 
-def build_step(model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey) -> StepProgram:
-    """The program of one step shape (see the module docstring)."""
-    return _StepBuilder(model, caches, key).build()
+def build_step(
+    model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey, experts: Mapping[int, ExpertFFN]
+) -> StepProgram:
+    """The program of one step shape (see the module docstring); `experts` holds each MoE layer's experts as the
+    graphs multiply them, keyed by the id of its `MoE` (cpu_graph/experts.py)."""
+    return _StepBuilder(model, caches, key, experts).build()
 
 
 class _StepBuilder:
-    def __init__(self, model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey) -> None:
-        self.model, self.caches, self.key = model, caches, key
+    def __init__(
+        self, model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey, experts: Mapping[int, ExpertFFN]
+    ) -> None:
+        self.model, self.caches, self.key, self.experts = model, caches, key, experts
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
         n_layers, n_seqs = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
@@ -491,9 +496,7 @@ class _StepBuilder:
             flat = ggml.ggml_reshape_2d(ctx, weights, a, t)
             weights = ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat))
         mix = ggml.ggml_reshape_3d(ctx, weights, a, 1, t)
-        kernels_ffn = getattr(moe.experts, "_graph")  # noqa: B009 (GLUExperts' ggml description of itself)
-        assert kernels_ffn is not None
-        ffn = kernels_ffn[1]
+        ffn = self.experts[id(moe)]
         w = {}
         for name, (gtype, ne, ptr, _) in ffn.inputs.items():
             value = getattr(ffn, name)
