@@ -45,17 +45,17 @@ def time_prefill_decode(llm: LLM, pp: int, tg: int, seed: int) -> tuple[float, f
     engine.reset()
     start = time.perf_counter()
     logits = engine.append(prompt)
-    _sync(logits)
+    sync_device(logits)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(tg):
         logits = engine.append([int(torch.argmax(logits))])
-    _sync(logits)
+    sync_device(logits)
     decode_s = time.perf_counter() - start
     return prefill_s, decode_s
 
 
-def _sync(t: torch.Tensor) -> None:
+def sync_device(t: torch.Tensor) -> None:
     """Wait for the device: CUDA work is asynchronous, a timer must not stop before it ends."""
     if t.is_cuda:
         torch.cuda.synchronize(t.device)

@@ -426,7 +426,7 @@ def synth(args: argparse.Namespace) -> int:
         f"in {r.seconds:.1f} s ({rate:.0f} MB/s)"
     )
     if r.routing:
-        top = sum(float(f.target.max()) for f in r.routing) / len(r.routing)
+        top = sum(float(f.target.max(axis=1).mean()) for f in r.routing) / len(r.routing)
         print(f"routing {r.plan.routing}: {len(r.routing)} routers fitted (the hottest expert of a layer is in "
               f"{top:.0%} of the tokens' picks)")  # fmt: skip
     return 0
@@ -460,11 +460,40 @@ def _bench_concurrency(args: argparse.Namespace, pp_sizes: list[int]) -> int:
     return 0
 
 
+def _bench_drift(args: argparse.Namespace, pp_sizes: list[int]) -> int:
+    """`tandem bench --drift N`: teacher-forced decode of a drifting text, tok/s per window (bench/drift.py)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tandem.bench.drift import check_drift, run_drift
+
+    if len(pp_sizes) != 1:
+        raise TandemError("--drift takes one --pp size")
+    check_drift(args.drift, args.drift_window)
+    llm = _load(args)
+    try:
+        r = run_drift(llm, Path(llm.file.path).name, pp_sizes[0], args.tg, args.drift, args.drift_window, args.reps)
+    finally:
+        llm.close()
+    if args.json:
+        print(json.dumps(r.as_dict(), indent=2))
+        return 0
+    table = Table("decoded tokens", "phase", "decode tok/s",
+                  title=f"{r.model} ({r.routing}), a new phase every {r.every} tokens after pp{r.pp_tokens}, "
+                        f"{r.reps} reps (median)")  # fmt: skip
+    for w in r.windows:
+        table.add_row(f"{w.start}..{w.start + w.tokens - 1}", str(w.phase), f"{w.tok_s:,.1f}")
+    Console().print(table)
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     check_flags(args)
     if args.tp > 1:  # its figures (memory, speed) are one process's: rank 0's of N
         raise TandemError(f"--tp {args.tp}: bench is not built under tensor parallelism yet; time it with run or the "
                           "API (docs/TENSOR_PARALLEL.md)")  # fmt: skip
+    if args.drift is not None and (args.compare or args.report or args.matrix):
+        raise TandemError("--drift runs in this process: not with --compare, --report or --matrix")
     if args.compare or args.report or args.matrix:
         # Worker processes per engine x placement, a report that survives failures: tandem/bench/compare.py.
         from tandem.bench.compare import run_from_args
@@ -479,8 +508,12 @@ def bench(args: argparse.Namespace) -> int:
         raise TandemError("--pp, --tg and --reps must be positive")
     if max(pp_sizes) + args.tg > args.ctx_size:
         raise TandemError(f"--pp {max(pp_sizes)} + --tg {args.tg} exceed the context size {args.ctx_size} (-c)")
+    if args.concurrency and args.drift is not None:
+        raise TandemError("--concurrency and --drift are separate runs")
     if args.concurrency:
         return _bench_concurrency(args, pp_sizes)
+    if args.drift is not None:
+        return _bench_drift(args, pp_sizes)
     start = time.perf_counter()
     llm = _load(args)
     load_s = time.perf_counter() - start

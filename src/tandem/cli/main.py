@@ -247,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--routing",
         default="uniform",
         metavar="SPEC",
-        help="expert popularity: uniform (the random routers, default) or zipf:S (per layer, an expert of rank r "
-        "takes a share of the routing proportional to r**-S; the routers are fitted on a CPU run of the model)",
+        help="expert popularity: uniform (the random routers, default), zipf:S (per layer, an expert of rank r "
+        "takes a share of the routing proportional to r**-S; the routers are fitted on a CPU run of the model) or "
+        "zipf:S,drift:P (P token id ranges, each with a ranking of its own: texts that move between them drift)",
     )
     synth.add_argument("--overwrite", action="store_true", help="replace an existing output file")
 
@@ -266,6 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N,...",
         help="the engine with N sequences at once (one --pp size): prefill and decode tok/s, aggregate and per stream",
+    )
+    bench.add_argument(
+        "--drift",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decode a scripted text whose hot experts move on every N tokens (a model of tandem synth --routing "
+        "zipf:S,drift:P; one --pp size, --tg tokens fed one per step): decode tok/s per --drift-window",
+    )
+    bench.add_argument(
+        "--drift-window", type=int, default=64, metavar="W", help="tokens per reported window of --drift (default 64)"
     )
     _add_compare_flags(bench)
     return parser

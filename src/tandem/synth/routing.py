@@ -19,6 +19,17 @@ one step of CALIBRATION_SEQUENCES random texts of CALIBRATION_LENGTH tokens run 
 layer in the same pass (each router is fitted on the inputs its fitted predecessors produce), and written into the
 file in place: the biases by a fixed-point iteration until each expert's share of the top-A picks of those inputs
 is its target. Other random texts then give the law within sampling noise (tests/test_synth_routing.py).
+
+Drift (`zipf:S,drift:P`): the vocabulary is cut into P equal token id ranges, the phases, and each phase gets an
+offset direction of its own (orthogonal, the same length) and, per layer, a ranking of its own. A router's bias is
+then a row of biases per phase, read through coordinates c(x) of the input that are about one-hot in the token's
+phase. A token's router input also carries its context's phases (attention mixes the context in), so c(x) is a
+least-squares fit of the phase on the inputs' top principal directions (the noise from the rest), and the 4P
+calibration texts are half of one phase's tokens alone, half of pieces of CALIBRATION_SEGMENT tokens of phases in
+a random order, so that every phase is fitted after a long run of its own and after contexts of every mix (a
+fixed order would let the context stand for the phase). A text that moves from one phase's tokens to the next's
+(`drifting_text`, `tandem bench --drift`) moves its hot set with it, less sharply than a text of one phase shows
+it (docs/synth.md).
 """
 
 from __future__ import annotations
@@ -38,41 +49,75 @@ from tandem.synth.presets import SynthError
 MAX_POPULARITY = 0.95  # of the tokens that pick an expert: at most once per token, and 1 needs an infinite bias
 CALIBRATION_SEQUENCES = 8  # random texts whose router inputs each router is fitted on, in one step
 CALIBRATION_LENGTH = 256  # tokens of each
+CALIBRATION_SEGMENT = 32  # with drift: the calibration texts' pieces of one phase
 EMBED_OFFSET = 8.0  # the vector added to every token embedding, in units of the rows' mean norm
 EMBED_CHUNK_ROWS = 4096  # rows of the table requantized at a time
+COORD_DIRECTIONS = 32  # principal directions of the router inputs that the phase coordinates are read from
 FIT_ITERATIONS = 400
 FIT_STEP = 0.15
 ROUTER_SUFFIX = ".ffn_gate_inp.weight"
 ROUTER_BIAS_SUFFIX = ".ffn_gate_inp.bias"  # gpt-oss: written as zeros with a fitted router (the fit is the bias)
+DEFAULT_PHASES = 4  # `drift` without a count
+MAX_PHASES = 16  # each phase needs its share of the calibration rows
 
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    """`uniform` (the random routers as written) or `zipf:S`."""
+    """`uniform` (the random routers as written), `zipf:S`, or `zipf:S,drift:P` (P phases, each a token id range
+    of its own with a hot set of its own)."""
 
     kind: str = "uniform"
     exponent: float = 0.0
+    phases: int = 1
 
     @property
     def skewed(self) -> bool:
         return self.kind != "uniform"
 
     def __str__(self) -> str:
-        return "uniform" if not self.skewed else f"zipf:{self.exponent:g}"
+        if not self.skewed:
+            return "uniform"
+        return f"zipf:{self.exponent:g}" + (f",drift:{self.phases}" if self.phases > 1 else "")
 
 
 def parse_routing(text: str) -> RoutingSpec:
-    """'uniform' or 'zipf:S' (S > 0, e.g. zipf:1.0) -> RoutingSpec; anything else is a one-line SynthError."""
+    """'uniform', 'zipf:S' (S > 0, e.g. zipf:1.0) or 'zipf:S,drift[:P]' (P phases, default DEFAULT_PHASES) ->
+    RoutingSpec; anything else is a one-line SynthError."""
     t = text.strip().lower()
     if t == "uniform":
         return RoutingSpec()
-    m = re.fullmatch(r"zipf:([0-9]*\.?[0-9]+)", t)
+    m = re.fullmatch(r"zipf:([0-9]*\.?[0-9]+)(,drift(?::([0-9]+))?)?", t)
     if m is None:
-        raise SynthError(f"--routing: cannot read '{text}' (use uniform or zipf:S with S > 0, e.g. zipf:1.0)")
+        raise SynthError(f"--routing: cannot read '{text}' (use uniform, zipf:S or zipf:S,drift:P with S > 0, "
+                         "e.g. zipf:1.0 or zipf:1.0,drift:4)")  # fmt: skip
     s = float(m.group(1))
     if not 0 < s <= 4:
         raise SynthError(f"--routing zipf:{m.group(1)}: the exponent must be in (0, 4]")
-    return RoutingSpec("zipf", s)
+    phases = int(m.group(3)) if m.group(3) is not None else DEFAULT_PHASES if m.group(2) else 1
+    if m.group(2) and not 2 <= phases <= MAX_PHASES:
+        raise SynthError(f"--routing {text.strip()}: drift takes 2 to {MAX_PHASES} phases")
+    return RoutingSpec("zipf", s, phases)
+
+
+def phase_tokens(n_vocab: int, phases: int, phase: int) -> range:
+    """The token ids of `phase` (of `phases`): equal contiguous ranges of the vocabulary, phase 0 first."""
+    return range(phase * n_vocab // phases, (phase + 1) * n_vocab // phases)
+
+
+def token_phases(ids: torch.Tensor, n_vocab: int, phases: int) -> torch.Tensor:
+    """The phase of each token id (the inverse of `phase_tokens`)."""
+    return ((ids.long() + 1) * phases - 1) // n_vocab
+
+
+def drifting_text(n_vocab: int, phases: int, length: int, every: int, seed: int, first: int = 0) -> list[int]:
+    """`length` random token ids that move to the next phase every `every` tokens, starting at phase `first` (the
+    text `tandem bench --drift` decodes)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for start in range(0, length, every):
+        ids = phase_tokens(n_vocab, phases, (first + start // every) % phases)
+        out += torch.randint(ids.start, ids.stop, (min(every, length - start),), generator=gen).tolist()
+    return out
 
 
 def zipf_popularity(n_experts: int, n_active: int, exponent: float, cap: float = MAX_POPULARITY) -> np.ndarray:
@@ -93,17 +138,19 @@ def zipf_popularity(n_experts: int, n_active: int, exponent: float, cap: float =
     return pop
 
 
-def layer_ranking(n_experts: int, layer: int, seed: int) -> np.ndarray:
-    """The experts of `layer` by rank (index 0: the most popular): a permutation of its own per layer."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 7919, layer])))
+def layer_ranking(n_experts: int, layer: int, seed: int, phase: int = 0) -> np.ndarray:
+    """The experts of `layer` by rank (index 0: the most popular) in `phase`: a permutation of its own per layer
+    and phase."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 7919, layer, *([phase] if phase else [])])))
     return rng.permutation(n_experts)
 
 
 def target_popularity(n_experts: int, n_active: int, spec: RoutingSpec, layer: int, seed: int) -> np.ndarray:
-    """Each expert's (by id) target share of a layer's top-A picks."""
+    """Each expert's (by id) target share of a layer's top-A picks, per phase: [phases, E]."""
     by_rank = zipf_popularity(n_experts, n_active, spec.exponent)
-    out = np.empty(n_experts)
-    out[layer_ranking(n_experts, layer, seed)] = by_rank
+    out = np.empty((spec.phases, n_experts))
+    for phase in range(spec.phases):
+        out[phase, layer_ranking(n_experts, layer, seed, phase)] = by_rank
     return out
 
 
@@ -113,21 +160,44 @@ def top_k_popularity(logits: torch.Tensor, n_active: int) -> torch.Tensor:
     return torch.bincount(ids.flatten(), minlength=logits.shape[-1]).double() / logits.shape[0]
 
 
-def fit_router(x: torch.Tensor, target: np.ndarray, n_active: int, seed: int) -> torch.Tensor:
-    """Router weights W [E, D] (float32) whose top-n_active picks over the rows of x [N, D] give each expert its
-    `target` share: logits = bias_e * (x . u) / m + noise_e(x), u the unit mean of x and m its length (so the
-    first term is about bias_e for every row), noise_e the rows' coordinates along E whitened principal
-    directions of x - mean, rotated at random (unit variance, uncorrelated over x); the biases by fixed-point
-    iteration on log(target / share)."""
+def fit_router(
+    x: torch.Tensor, target: np.ndarray, n_active: int, seed: int, phase: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Router weights W [E, D] (float32) whose top-n_active picks over the rows of x [N, D] of each phase give each
+    expert its `target` share ([phases, E], or [E] for one phase; `phase` [N]: each row's, all 0 when None).
+
+    logits = c(x) . bias_e + noise_e(x). c(x) [phases] is about one-hot, the row's own phase 1 (one phase: x . u / m,
+    u the unit mean of x and m its length; drift: see below), so the first term is about bias_e[p] for every row of
+    phase p; noise_e are the rows' coordinates along E whitened principal directions of x minus its phase's mean,
+    rotated at random and orthogonal to the means (unit variance, uncorrelated over x). The biases by fixed-point
+    iteration on log(target / share), each phase's on its own rows."""
+    want = torch.from_numpy(np.atleast_2d(target))
+    phases, e = want.shape
     x = x.double()
     n, d = x.shape
-    e = len(target)
-    mean = x.mean(0)
-    m = float(mean.norm())
-    if m < 1e-6 * float(x.norm(dim=1).mean()):
-        raise SynthError("the router inputs have no common direction to carry a bias: cannot skew the routing")
-    u = mean / m
-    centred = x - mean
+    label = torch.zeros(n, dtype=torch.long) if phase is None else phase.long()
+    rows = [label == p for p in range(phases)]
+    if min(int(r.sum()) for r in rows) < e:
+        raise SynthError(f"a phase has fewer than {e} calibration rows: cannot fit its routing")
+    means = torch.stack([x[r].mean(0) for r in rows])  # [phases, D]
+    scale = float(x.norm(dim=1).mean())
+    basis, tri = torch.linalg.qr(means.T)  # orthonormal basis of the means' span, [D, phases]
+    if float(tri.diagonal().abs().min()) < 1e-6 * scale:
+        raise SynthError("the router inputs have no common direction per phase to carry a bias: cannot skew the "
+                         "routing")  # fmt: skip
+    centred = x - means[label]
+    if phases == 1:
+        coords_w = means.T / float(means.norm()) ** 2  # x . u / m, u the unit mean and m its length
+    else:
+        # A drifting text's rows carry their context's phases too (attention mixes them in). c(x): least squares
+        # of the one-hot phases on the rows' top principal coordinates (uncentred: the means are among them), so
+        # that c reads the token's phase, not the context's; the noise from what those directions leave, so that
+        # a context does not shift the logits of a phase's rows.
+        torch.manual_seed(seed)
+        _, _, top = torch.svd_lowrank(x / math.sqrt(n), q=min(COORD_DIRECTIONS, n, d), niter=3)  # [D, K]
+        onehot = torch.nn.functional.one_hot(label, phases).double()
+        coords_w = top @ torch.linalg.lstsq(x @ top, onehot).solution  # [D, phases]
+        centred -= (centred @ top) @ top.T
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # svd_lowrank draws its sketch from the global generator
     _, sv, v = torch.svd_lowrank(centred / math.sqrt(n), q=min(e + 16, n, d), niter=3)  # the top E directions
@@ -136,23 +206,24 @@ def fit_router(x: torch.Tensor, target: np.ndarray, n_active: int, seed: int) ->
     rot, _ = torch.linalg.qr(torch.randn(e, e, generator=g, dtype=torch.float64))
     rot = rot[:k]  # [k, E]: orthonormal rows
     noise_w = (vh[:k].T / sv[:k]) @ rot  # [D, E]
-    noise_w -= u[:, None] * (u @ noise_w)[None, :]  # orthogonal to the mean: x @ noise_w has no constant part
-    base = (x @ u / m)[:, None]  # [N, 1], about 1
+    noise_w -= basis @ (basis.T @ noise_w)  # orthogonal to the means: x @ noise_w has no constant part per phase
+    coords = x @ coords_w  # [N, phases], about one-hot
     noise = x @ noise_w  # [N, E]
-    want = torch.from_numpy(target)
-    bias = torch.log(want) * 2.0
+    bias = torch.log(want) * 2.0  # [phases, E]
     for _ in range(FIT_ITERATIONS):  # a share rises with its bias: a damped step converges (larger ones oscillate)
-        share = top_k_popularity(base * bias + noise, n_active).clamp_min(0.5 / n)
-        bias = bias + FIT_STEP * torch.log(want / share).clamp(-1.0, 1.0)
-    w = bias[:, None] * (u / m)[None, :] + noise_w.T  # logits = x @ w.T
+        logits = coords @ bias + noise
+        for p, r in enumerate(rows):
+            share = top_k_popularity(logits[r], n_active).clamp_min(0.5 / int(r.sum()))
+            bias[p] += FIT_STEP * torch.log(want[p] / share).clamp(-1.0, 1.0)
+    w = bias.T @ coords_w.T + noise_w.T  # logits = x @ w.T
     return w.float().contiguous()
 
 
 @dataclass(frozen=True)
 class LayerFit:
     layer: int
-    target: np.ndarray  # by expert id
-    fitted: np.ndarray  # share of the top-A picks over the calibration inputs, by expert id
+    target: np.ndarray  # [phases, E]: by phase and expert id
+    fitted: np.ndarray  # [phases, E]: share of the top-A picks over each phase's calibration inputs
 
 
 class _FittingProj:
@@ -190,10 +261,11 @@ def _routers(model: Any) -> Iterator[tuple[int, Any]]:
             stack.extend(v for v in getattr(obj, "__dict__", {}).values() if hasattr(v, "__dict__"))
 
 
-def offset_embeddings(path: str | Path, seed: int) -> None:
-    """Add one common vector (EMBED_OFFSET times the rows' mean norm, a random direction) to every row of the
-    file's token embedding table, requantized in place by ggml to the table's own type (see the module's
-    docstring). A tied table is the output head too: every logit then moves by the same amount."""
+def offset_embeddings(path: str | Path, seed: int, phases: int = 1) -> None:
+    """Add a vector (EMBED_OFFSET times the rows' mean norm) to every row of the file's token embedding table, one
+    random direction per phase (orthogonal; `phase_tokens` says which rows), requantized in place by ggml to the
+    table's own type (see the module's docstring). A tied table is the output head too: every logit then moves by
+    its phase's amount."""
     import ctypes
 
     import ggml
@@ -210,15 +282,20 @@ def offset_embeddings(path: str | Path, seed: int) -> None:
     first = dequantize(torch.from_numpy(np.array(table[: min(rows, EMBED_CHUNK_ROWS) * row_bytes])), info.qtype,
                        (min(rows, EMBED_CHUNK_ROWS), d))  # fmt: skip
     g = torch.Generator().manual_seed(seed + 104729)
-    direction = torch.randn(d, generator=g)
-    offset = (direction / direction.norm() * EMBED_OFFSET * first.norm(dim=1).mean()).float()
+    directions: list[torch.Tensor] = []
+    for draw in torch.randn(phases, d, generator=g):  # Gram-Schmidt: one phase is zipf:S's direction exactly
+        for u in directions:
+            draw = draw - (draw @ u) * u
+        directions.append(draw / draw.norm())
+    offsets = (torch.stack(directions) * EMBED_OFFSET * first.norm(dim=1).mean()).float()  # [phases, D]
+    row_phase = token_phases(torch.arange(rows), rows, phases)
     if info.qtype not in (Q.F32, Q.F16):
         ggml.ggml_quantize_init(int(info.qtype))
     for r0 in range(0, rows, EMBED_CHUNK_ROWS):
         n = min(EMBED_CHUNK_ROWS, rows - r0)
         view = table[r0 * row_bytes : (r0 + n) * row_bytes]
-        values = (dequantize(torch.from_numpy(np.array(view)), info.qtype, (n, d)) + offset).numpy()
-        values = np.ascontiguousarray(values, dtype=np.float32)
+        values = dequantize(torch.from_numpy(np.array(view)), info.qtype, (n, d)) + offsets[row_phase[r0 : r0 + n]]
+        values = np.ascontiguousarray(values.numpy(), dtype=np.float32)
         if info.qtype == Q.F32:
             view[:] = values.view(np.uint8).reshape(-1)
             continue
@@ -232,6 +309,21 @@ def offset_embeddings(path: str | Path, seed: int) -> None:
         view[:] = out
     table.flush()
     del table
+
+
+def calibration_texts(n_vocab: int, phases: int, n_seqs: int, length: int, gen: torch.Generator) -> list[list[int]]:
+    """`n_seqs` random texts of `length` tokens for a drifting fit: half of them of one phase's tokens alone (a phase
+    after a long run of its own, the phases in turn), then texts of pieces of CALIBRATION_SEGMENT tokens, each of a
+    phase drawn in a random order (as many pieces per phase), so that a phase's rows also come after contexts of
+    every mix of phases and the fit reads the token's phase, not its context's (a fixed order would tie the two)."""
+    pure = [phase_tokens(n_vocab, phases, p % phases) for p in range(n_seqs // 2)]
+    pieces = (n_seqs - len(pure)) * length // CALIBRATION_SEGMENT
+    mixed = [phase_tokens(n_vocab, phases, int(p)) for p in torch.randperm(pieces, generator=gen) % phases]
+    texts = [torch.randint(r.start, r.stop, (length,), generator=gen) for r in pure]
+    if mixed:
+        flat = torch.cat([torch.randint(r.start, r.stop, (CALIBRATION_SEGMENT,), generator=gen) for r in mixed])
+        texts += list(flat.view(-1, length))
+    return [t.tolist() for t in texts]
 
 
 def calibrate_routers(
@@ -248,16 +340,28 @@ def calibrate_routers(
 
     fits: dict[int, LayerFit] = {}
     weights: dict[str, torch.Tensor] = {}
+    if spec.phases > 1:  # 1024 rows per phase (the tail's targets are a few picks each), half in runs of one phase
+        n_seqs = max(n_seqs, 4 * spec.phases)
     n_tokens = n_seqs * length
     with tandem.LLM(path, device="cpu", n_ctx=length, n_batch=n_tokens, n_parallel=n_seqs, threads=threads) as llm:
         cfg = llm.config
         assert cfg.moe is not None, "skewed routing needs routed experts"
         n_experts, n_active = cfg.moe.n_experts, cfg.moe.n_active
 
+        gen = torch.Generator().manual_seed(seed)
+        if spec.phases == 1:
+            texts = [torch.randint(0, cfg.n_vocab, (length,), generator=gen).tolist() for _ in range(n_seqs)]
+        else:
+            texts = calibration_texts(cfg.n_vocab, spec.phases, n_seqs, length, gen)
+        phase = token_phases(torch.tensor(texts).flatten(), cfg.n_vocab, spec.phases)  # the step's rows, in order
+
         def fit(layer: int, x: torch.Tensor) -> torch.Tensor:
+            assert x.shape[0] == len(phase), "a router input row per token of the texts, in their order"
             target = target_popularity(n_experts, n_active, spec, layer, seed)
-            w = fit_router(x, target, n_active, seed + layer)
-            fits[layer] = LayerFit(layer, target, top_k_popularity(x @ w.T, n_active).numpy())
+            w = fit_router(x, target, n_active, seed + layer, phase)
+            logits = x @ w.T
+            fitted = np.stack([top_k_popularity(logits[phase == p], n_active).numpy() for p in range(spec.phases)])
+            fits[layer] = LayerFit(layer, target, fitted)
             weights[f"blk.{layer}{ROUTER_SUFFIX}"] = w
             return w
 
@@ -266,8 +370,6 @@ def calibrate_routers(
             raise SynthError(f"{path}: no routers found to skew")
         for layer, router in routers:
             router.proj = _FittingProj(layer, f"blk.{layer}{ROUTER_SUFFIX}", fit)
-        gen = torch.Generator().manual_seed(seed)
-        texts = [torch.randint(0, cfg.n_vocab, (length,), generator=gen).tolist() for _ in range(n_seqs)]
         llm.engine.runner.run(list(enumerate(texts)))  # one step: every router sees all the texts' rows at once
         f = llm.file
         at = {name: f.tensors[name].offset for name in weights}  # from the file's start

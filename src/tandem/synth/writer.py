@@ -90,7 +90,7 @@ def plan_model(
     like: str | Preset, layers: int | None = None, quant: str = "Q4_K_M", routing: str | RoutingSpec = "uniform"
 ) -> SynthPlan:
     """The plan of a synthetic model: preset, layer count (default: the real one), quant mix (Q4_K_M/Q8_0/F16),
-    routing (`uniform`: the random routers; `zipf:S`: fitted after writing, tandem.synth.routing)."""
+    routing (`uniform`: the random routers; `zipf:S`, `zipf:S,drift:P`: fitted after writing, tandem.synth.routing)."""
     p = get_preset(like) if isinstance(like, str) else like
     spec = parse_routing(routing) if isinstance(routing, str) else routing
     n_layers = p.check_layers(layers)
@@ -239,7 +239,7 @@ def synthesize(
             fh.truncate(len(header) + plan.data_bytes)  # a trailing hole still needs its length
         fits = []
         if plan.routing.skewed:
-            offset_embeddings(tmp, seed)
+            offset_embeddings(tmp, seed, plan.routing.phases)
             fits = calibrate_routers(tmp, plan.routing, seed, threads)
         os.replace(tmp, out)
     except BaseException as e:
