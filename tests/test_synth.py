@@ -209,9 +209,13 @@ def test_cli_writes_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no partial file, no temporary left
 
 
-def test_repacked_experts_give_the_same_logits(model: SynthResult) -> None:
+def test_repacked_experts_give_the_same_logits(model: SynthResult, monkeypatch: pytest.MonkeyPatch) -> None:
     """--repack-experts: the CPU expert stacks that ggml repacks (Q4_K on x86) are multiplied from the copy,
-    with the same results up to float32 accumulation order; the notice says how much RAM the copies take."""
+    with the same results up to float32 accumulation order; the notice says how much RAM the copies take. On the
+    layer path (the CPU step graphs repack a MoE model's stacks themselves: tests/test_cpu_graph.py)."""
+    from tandem.models.cpu_graph import SWITCH_ENV
+
+    monkeypatch.setenv(SWITCH_ENV, "0")
 
     ids = [300, 1000, 77, 5]
     with tandem.LLM(model.path, device="cpu", threads=2, n_ctx=64) as llm:
