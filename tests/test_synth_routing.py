@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tandem.cli.main import main
+from tandem.models.cpu_graph import SWITCH_ENV
 from tandem.synth.presets import SynthError
 from tandem.synth.routing import (
     MAX_POPULARITY,
@@ -155,6 +156,7 @@ def test_synthesized_model_routes_with_zipf_skew(tmp_path) -> None:  # type: ign
     counts = np.zeros((2, 128))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "_router_logits", spy)
+        mp.setenv(SWITCH_ENV, "0")  # the layer path, whose routers the spy reads (the step graphs route in ggml)
         with tandem.LLM(r.path, device="cpu", n_ctx=512, threads=2) as llm:
             for seed in (1000, 1001):
                 logits.clear()
@@ -207,6 +209,7 @@ def test_synthesized_drift_model_routes_by_phase(tmp_path) -> None:  # type: ign
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "_router_logits", spy)
+        mp.setenv(SWITCH_ENV, "0")  # the layer path, whose routers the spy reads (the step graphs route in ggml)
         with tandem.LLM(r.path, device="cpu", n_ctx=512, n_batch=512, threads=2) as llm:
             pure = [route(llm, drifting_text(n_vocab, phases, 256, 256, seed=2000 + p, first=p)) for p in range(phases)]
             drifting = route(llm, drifting_text(n_vocab, phases, 512, 128, seed=3000))

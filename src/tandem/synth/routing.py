@@ -34,7 +34,9 @@ it (docs/synth.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -261,6 +263,24 @@ def _routers(model: Any) -> Iterator[tuple[int, Any]]:
             stack.extend(v for v in getattr(obj, "__dict__", {}).values() if hasattr(v, "__dict__"))
 
 
+@contextlib.contextmanager
+def _layer_path() -> Iterator[None]:
+    """The calibration model on the CPU's layer path: its routers' projections become fitting Python objects
+    (`_FittingProj`), which the CPU step graphs (models/cpu_graph, the default for some MoE families) cannot hold,
+    and the graphs' set-up would copy every expert stack to repack it for nothing."""
+    from tandem.models.cpu_graph import SWITCH_ENV
+
+    before = os.environ.get(SWITCH_ENV)
+    os.environ[SWITCH_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SWITCH_ENV]
+        else:
+            os.environ[SWITCH_ENV] = before
+
+
 def offset_embeddings(path: str | Path, seed: int, phases: int = 1) -> None:
     """Add a vector (EMBED_OFFSET times the rows' mean norm) to every row of the file's token embedding table, one
     random direction per phase (orthogonal; `phase_tokens` says which rows), requantized in place by ggml to the
@@ -343,7 +363,8 @@ def calibrate_routers(
     if spec.phases > 1:  # 1024 rows per phase (the tail's targets are a few picks each), half in runs of one phase
         n_seqs = max(n_seqs, 4 * spec.phases)
     n_tokens = n_seqs * length
-    with tandem.LLM(path, device="cpu", n_ctx=length, n_batch=n_tokens, n_parallel=n_seqs, threads=threads) as llm:
+    with _layer_path(), tandem.LLM(path, device="cpu", n_ctx=length, n_batch=n_tokens, n_parallel=n_seqs,
+                                   threads=threads) as llm:  # fmt: skip
         cfg = llm.config
         assert cfg.moe is not None, "skewed routing needs routed experts"
         n_experts, n_active = cfg.moe.n_experts, cfg.moe.n_active
