@@ -19,6 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from loader_builds import record_builds
 from qblocks import random_blocks
 
 pytest.importorskip("triton", reason="triton is a dev dependency (pip install -e '.[dev]')")
@@ -33,7 +34,7 @@ from tandem.cuda.qlinear import GPUQuantWeight, qmatmul_id
 from tandem.cuda.routing import split_route
 from tandem.layers.moe import GLUExperts, Routing, RoutingCounts, split_routing, split_streamed
 from tandem.placement import expert_layer
-from tandem.weights.loader import WeightLoader, _PCIeSource
+from tandem.weights.loader import _PCIeSource
 from tandem.weights.offload import OffloadedExperts
 
 
@@ -121,19 +122,6 @@ class _Host:
         return lambda: out.view(shape).to(dtype)
 
 
-def _builds(path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """(loader, layer, build) of every routed layer of the file, loaded on the CPU."""
-    builds = []
-    real = WeightLoader.routed_experts
-
-    def recording(loader, layer, build):  # type: ignore[no-untyped-def]
-        builds.append((loader, layer, build))
-        return real(loader, layer, build)
-
-    monkeypatch.setattr(WeightLoader, "routed_experts", recording)
-    return builds
-
-
 @pytest.mark.parametrize(
     "fixture", ["tiny_qwen3moe_gguf", "tiny_qwen35moe_gguf", "tiny_gemma4_gguf", "tiny_gpt_oss_gguf"]
 )
@@ -147,7 +135,7 @@ def test_split_layer_equals_ggml_alone(
     import tandem.cuda.host_memory as host_memory
 
     path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
-    builds = _builds(path, monkeypatch)
+    builds = record_builds(monkeypatch)
     monkeypatch.setattr(host_memory, "device_view", lambda host, device: host)
     with tandem.LLM(path, device="cpu", n_ctx=32):
         assert builds
@@ -183,7 +171,7 @@ def test_a_step_of_only_cached_experts_leaves_ggml_idle(
     tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "q8_0.gguf", "q8_0")
-    builds = _builds(path, monkeypatch)
+    builds = record_builds(monkeypatch)
     with tandem.LLM(path, device="cpu", n_ctx=32):
         loader, layer, build = builds[0]
         infos = [i for n, i in loader.file.tensors.items() if expert_layer(n) == layer]
@@ -231,7 +219,7 @@ def test_online_replacement_swaps_in_the_hot_expert_and_stays_exact(
     from tandem.weights.expert_cache import ExpertCacheRefresher
 
     path = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "q8_0.gguf", "q8_0")
-    builds = _builds(path, monkeypatch)
+    builds = record_builds(monkeypatch)
     with tandem.LLM(path, device="cpu", n_ctx=32):
         loader, layer, build = builds[1]
         loader.plan = dataclasses.replace(loader.plan, expert_cache=ExpertCache({layer: (1, 4)}, {layer: 1}, "", 1))

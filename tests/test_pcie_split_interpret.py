@@ -18,6 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from loader_builds import record_builds
 from qblocks import random_blocks
 
 pytest.importorskip("triton", reason="triton is a dev dependency (pip install -e '.[dev]')")
@@ -33,7 +34,7 @@ from tandem.layers.moe import GLUExperts, Routing
 from tandem.placement import expert_layer
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.weights.loader import WeightLoader, _PCIeSource
+from tandem.weights.loader import _PCIeSource
 from tandem.weights.offload import OffloadedExperts
 
 TYPES = [gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")]
@@ -70,18 +71,11 @@ def test_pcie_experts_give_ggml_values(
     import tandem.cuda.host_memory as host_memory
 
     path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
-    builds = []
-    routed_experts = WeightLoader.routed_experts
-
-    def recording(loader, layer, build):  # type: ignore[no-untyped-def]
-        builds.append((loader, build))
-        return routed_experts(loader, layer, build)
-
-    monkeypatch.setattr(WeightLoader, "routed_experts", recording)
+    builds = record_builds(monkeypatch)
     monkeypatch.setattr(host_memory, "device_view", lambda host, device: host)
     with tandem.LLM(path, device="cpu", n_ctx=32):
         assert builds
-        for loader, build in builds:
+        for loader, _, build in builds:
             on_cpu = build(loader)  # ggml's graph on the file's blocks, as the CPU side of the split
             pcie = loader._ggml_valued(build(_PCIeSource(loader)))
             assert isinstance(on_cpu, GLUExperts) and isinstance(pcie, GLUExperts)
@@ -117,14 +111,7 @@ def test_staged_experts_mix_to_ggml_alone(
     import tandem.cuda.host_memory as host_memory
 
     path = convert_hf(request.getfixturevalue(fixture)[0], tmp_path / "q8_0.gguf", "q8_0")
-    builds = []
-    routed_experts = WeightLoader.routed_experts
-
-    def recording(loader, layer, build):  # type: ignore[no-untyped-def]
-        builds.append((loader, layer, build))
-        return routed_experts(loader, layer, build)
-
-    monkeypatch.setattr(WeightLoader, "routed_experts", recording)
+    builds = record_builds(monkeypatch)
     monkeypatch.setattr(host_memory, "pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     with tandem.LLM(path, device="cpu", n_ctx=32):
         assert builds

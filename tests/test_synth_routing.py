@@ -4,6 +4,9 @@ texts, give a Zipf-like skew (with drift: per phase, with hot sets that differ b
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -130,21 +133,12 @@ def test_fit_router_gives_each_phase_its_law_on_held_out_hidden_states() -> None
     assert max(len(hot[p] & hot[q]) for p in range(phases) for q in range(p)) <= 3  # random sets: 1.3 on average
 
 
-def test_synthesized_model_routes_with_zipf_skew(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A 2-layer synthetic Qwen3-30B-A3B with zipf:1.0 routers, run by tandem on the CPU over two random texts it
-    was not fitted on: in each layer the hot experts are the target's and the popularity falls about as r**-1
-    (per text the hot set varies around the law: a text has a direction of its own). Measured on the dev machine
-    (2026-12-14, 4 layers, two 384-token texts): fitted exponents 0.77-1.39."""
-    import tandem
-    from tandem.gguf import open_gguf
+@contextlib.contextmanager
+def _router_logits() -> Iterator[list[torch.Tensor]]:
+    """Every router's logits (float64) as the models loaded inside compute them, in order: on the CPU's layer path,
+    whose routers this reads (the step graphs route inside ggml)."""
     from tandem.layers import moe
-    from tandem.synth.writer import synthesize
 
-    r = synthesize("qwen3-30b-a3b", tmp_path / "z.gguf", layers=2, routing="zipf:1.0", threads=2)
-    assert open_gguf(r.path).metadata["tandem.synth.routing"] == "zipf:1"
-    assert [f.layer for f in r.routing] == [0, 1]
-    for fit in r.routing:  # the calibration texts themselves: the fit reached the target
-        assert fit.target.shape == (1, 128) and np.abs(fit.fitted - fit.target).max() < 0.03
     logits: list[torch.Tensor] = []
     real = moe._router_logits
 
@@ -153,10 +147,28 @@ def test_synthesized_model_routes_with_zipf_skew(tmp_path) -> None:  # type: ign
         logits.append(out.double())
         return out
 
-    counts = np.zeros((2, 128))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "_router_logits", spy)
-        mp.setenv(SWITCH_ENV, "0")  # the layer path, whose routers the spy reads (the step graphs route in ggml)
+        mp.setenv(SWITCH_ENV, "0")
+        yield logits
+
+
+def test_synthesized_model_routes_with_zipf_skew(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A 2-layer synthetic Qwen3-30B-A3B with zipf:1.0 routers, run by tandem on the CPU over two random texts it
+    was not fitted on: in each layer the hot experts are the target's and the popularity falls about as r**-1
+    (per text the hot set varies around the law: a text has a direction of its own). Measured on the dev machine
+    (2026-12-14, 4 layers, two 384-token texts): fitted exponents 0.77-1.39."""
+    import tandem
+    from tandem.gguf import open_gguf
+    from tandem.synth.writer import synthesize
+
+    r = synthesize("qwen3-30b-a3b", tmp_path / "z.gguf", layers=2, routing="zipf:1.0", threads=2)
+    assert open_gguf(r.path).metadata["tandem.synth.routing"] == "zipf:1"
+    assert [f.layer for f in r.routing] == [0, 1]
+    for fit in r.routing:  # the calibration texts themselves: the fit reached the target
+        assert fit.target.shape == (1, 128) and np.abs(fit.fitted - fit.target).max() < 0.03
+    counts = np.zeros((2, 128))
+    with _router_logits() as logits:
         with tandem.LLM(r.path, device="cpu", n_ctx=512, threads=2) as llm:
             for seed in (1000, 1001):
                 logits.clear()
@@ -185,7 +197,6 @@ def test_synthesized_drift_model_routes_by_phase(tmp_path) -> None:  # type: ign
     each piece's own top 13 take 1.5-5.2 of the 8 picks, the previous phase's 0.4-1.5."""
     import tandem
     from tandem.gguf import open_gguf
-    from tandem.layers import moe
     from tandem.synth.writer import synthesize
 
     phases, n_vocab = 4, 151936
@@ -193,23 +204,14 @@ def test_synthesized_drift_model_routes_by_phase(tmp_path) -> None:  # type: ign
     assert open_gguf(r.path).metadata["tandem.synth.routing"] == "zipf:1,drift:4"
     for fit in r.routing:  # the calibration texts themselves: each phase's fit reached its target
         assert fit.target.shape == (phases, 128) and np.abs(fit.fitted - fit.target).max() < 0.05
-    logits: list[torch.Tensor] = []
-    real = moe._router_logits
+    with _router_logits() as logits:
 
-    def spy(proj, x):  # type: ignore[no-untyped-def]
-        out = real(proj, x)
-        logits.append(out.double())
-        return out
+        def route(llm, text: list[int]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+            logits.clear()
+            llm.engine.feed(text)  # one step (n_batch covers it): one router call per layer
+            assert len(logits) == 2
+            return list(logits)
 
-    def route(llm, text: list[int]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-        logits.clear()
-        llm.engine.feed(text)  # one step (n_batch covers it): one router call per layer
-        assert len(logits) == 2
-        return list(logits)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe, "_router_logits", spy)
-        mp.setenv(SWITCH_ENV, "0")  # the layer path, whose routers the spy reads (the step graphs route in ggml)
         with tandem.LLM(r.path, device="cpu", n_ctx=512, n_batch=512, threads=2) as llm:
             pure = [route(llm, drifting_text(n_vocab, phases, 256, 256, seed=2000 + p, first=p)) for p in range(phases)]
             drifting = route(llm, drifting_text(n_vocab, phases, 512, 128, seed=3000))
