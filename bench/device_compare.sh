@@ -93,6 +93,13 @@
 #   PROFILE_BATCHED=16 (while the build runs, on the first model: bench/profile_batched.py, a decode step of that
 #     many sequences and their prefill taken apart by GPU kernel, per PROFILE_BATCHED_PLACEMENTS=all,cpu-moe;
 #     bounded by PROFILE_BATCHED_S=240)
+#   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
+#     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
+#     by stage, and torch's segments by the line that made them)
+#   HOT="static uniform drift" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
+#     qwen3-30b-a3b models with skewed routing, its models synthesised while llama.cpp builds; HOT_BUDGET=10GiB
+#     HOT_CACHE=8GiB HOT_LAYERS=24 HOT_STEP_S=150 HOT_REPS=3, see the script). MODELS="qwen3-30b-a3b" MATRIX=none
+#     runs it alone
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -214,6 +221,11 @@ if [[ ${#files[@]} -eq 0 ]]; then
     synth "$m" >/dev/null && { say "synth $m: $(du -h "$MODEL_DIR/$m.gguf" | cut -f1)"; early+=("$MODEL_DIR/$m.gguf"); }
   done
 fi
+hot_synth_pid=""
+if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]]; then  # the skewed models, made beside the build
+  PY="$PY" MODEL_DIR="$MODEL_DIR" THREADS="$THREADS" bash bench/hot_experts.sh synth $HOT &
+  hot_synth_pid=$!
+fi
 # Prewarm (untimed): Triton compiles and autotunes per kernel and shape, not per layer, so a copy of each
 # preset with one layer of each kind fills the cache for the whole model: 6 layers hold Gemma 4's global layer
 # (every 6th; with 2 layers its head-512 kernels were tuned in the timed warm-up, 16.8 s at 12:40) and
@@ -289,6 +301,17 @@ if [[ -n "${PROFILE_BATCHED:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; th
   grep -vE "Warning|warn\(" /tmp/profile_batched.log | tail -120
 fi
 
+if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
+  for placement in $VRAM_BREAKDOWN; do
+    flags=()
+    [[ $placement == cpu-moe* ]] && flags=(--cpu-moe)
+    [[ $placement =~ \+pcie([0-9]+)$ ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
+    say "VRAM breakdown $placement: bench/vram_breakdown.py ${flags[*]}"
+    timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" bench/vram_breakdown.py "${early[0]}" -t "$THREADS" "${flags[@]}" \
+      2>&1 | grep -vE "Warning|warn\(" | tail -40
+  done
+fi
+
 if [[ -n "$llama_pid" ]]; then
   wait "$llama_pid" && say "llama-cpp-python ready" || { say "llama-cpp-python build FAILED"; tail -40 /tmp/llama_build.log; }
   grep -E "built in|already in|unpacked in" /tmp/llama_build.log | tail -1
@@ -305,6 +328,11 @@ if [[ "${FIDELITY:-0}" == 1 && -d "$PEER_LIB/llama_cpp" ]]; then  # before the b
     >/tmp/fidelity.log 2>&1 || { say "fidelity FAILED"; tail -30 /tmp/fidelity.log; }
   grep -E "^(qwen|gpt|gemma)" /tmp/fidelity.log
   cp tests/fixtures/fidelity_llamacpp_cuda.json "$OUT/" 2>/dev/null
+fi
+
+if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]]; then  # before the matrix; its steps bound themselves
+  [[ -n "$hot_synth_pid" ]] && wait "$hot_synth_pid"
+  PY="$PY" MODEL_DIR="$MODEL_DIR" PEER_LIB="$PEER_LIB" THREADS="$THREADS" bash bench/hot_experts.sh $HOT
 fi
 
 if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # quiet machine: nothing else runs

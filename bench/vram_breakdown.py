@@ -1,0 +1,102 @@
+"""Where a run's VRAM goes: the driver's used memory, torch's caching allocator and the plan, stage by stage, and
+the allocator's segments grouped by the Python line that made them.
+
+    python bench/vram_breakdown.py MODEL.gguf [--cpu-moe] [--pcie-experts K] [--seqs 16] [--pp 128] [--tg 16]
+
+Stages: after load, after one sequence's prefill and decode, after N sequences at once (bench's run_concurrent).
+At each: the driver's used memory over what it was before this process touched the GPU, torch's reserved and
+allocated bytes and its allocated peak; the gap between the driver and torch's reserved is what torch does not
+allocate (the CUDA context and its modules, cuBLAS handles, host-mapped memory's bookkeeping, graph executables).
+Then the plan's figures (weights, KV pool, workspace, staging window, expert cache) and torch's segments by the
+first frame inside tandem of the allocation that made them. For the gap between tandem's batched `--cpu-moe` runs
+and llama.cpp's (docs/PERFORMANCE.md, session 15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from typing import Any
+
+import torch
+
+from tandem import LLM
+from tandem.bench.runner import run_concurrent, time_prefill_decode
+from tandem.bench.vram import VramSampler, _open_source
+
+MIB = 2**20
+
+
+def _where(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame in tandem's code (else the innermost Python frame) of an allocation's stack."""
+    for fr in frames:
+        if "/tandem/" in fr.get("filename", ""):
+            return f"{fr['filename'].split('/tandem/', 1)[1]}:{fr['line']} {fr['name']}"
+    return next((f"{fr['filename']}:{fr['line']} {fr['name']}" for fr in frames if fr.get("filename")), "?")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--cpu-moe", action="store_true")
+    p.add_argument("--pcie-experts", type=int, default=0)
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--tg", type=int, default=16)
+    p.add_argument("-t", "--threads", type=int, default=16)
+    args = p.parse_args()
+
+    driver = _open_source()
+    baseline = driver.used() if driver is not None else None  # before this process's CUDA context
+    sampler = VramSampler().start()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, context="all", stacks="python")
+    rows = []
+
+    def stage(name: str) -> None:
+        torch.cuda.synchronize()
+        used = None if driver is None or baseline is None else driver.used() - baseline
+        rows.append((name, used, torch.cuda.memory_reserved(), torch.cuda.memory_allocated(),
+                     torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))  # fmt: skip
+
+    llm = LLM(args.model, device="cuda", threads=args.threads, n_ctx=args.pp + args.tg, n_parallel=args.seqs,
+              cpu_moe=args.cpu_moe, pcie_experts=args.pcie_experts)  # fmt: skip
+    stage("loaded")
+    time_prefill_decode(llm, args.pp, args.tg, seed=0)
+    stage("one sequence")
+    run_concurrent(llm, [args.seqs], args.pp, args.tg, 1)
+    stage(f"{args.seqs} sequences")
+    peak = sampler.stop()
+
+    print(f"{args.model}: --cpu-moe {args.cpu_moe}, --pcie-experts {args.pcie_experts}, {args.seqs} slots of "
+          f"{args.pp + args.tg} tokens")  # fmt: skip
+    print("| stage | driver MiB | torch reserved | allocated | peak allocated | peak reserved | driver - reserved |")
+    print("|---|---|---|---|---|---|---|")
+    for name, used, res, alloc, peak_alloc, peak_res in rows:
+        u = "—" if used is None else f"{used / MIB:,.0f}"
+        gap = "—" if used is None else f"{(used - res) / MIB:,.0f}"
+        print(f"| {name} | {u} | {res / MIB:,.0f} | {alloc / MIB:,.0f} | {peak_alloc / MIB:,.0f} | "
+              f"{peak_res / MIB:,.0f} | {gap} |")  # fmt: skip
+    if peak.used_bytes is not None:
+        print(f"driver peak over baseline (what bench reports): {peak.used_bytes / MIB:,.0f} MiB")
+    plan = llm.plan
+    gpu = plan.compute_device
+    print(f"plan: weights {plan.weight_bytes.get(gpu, 0) / MIB:,.0f} MiB, KV pool {plan.kv_bytes / MIB:,.0f}, "
+          f"workspace {plan.workspace_bytes / MIB:,.0f}, staging window {plan.staging_bytes / MIB:,.0f}, "
+          f"expert cache {plan.expert_cache.bytes / MIB:,.0f}; total {plan.gpu_bytes() / MIB:,.0f} MiB")  # fmt: skip
+
+    snap = torch.cuda.memory._snapshot()
+    by_site: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for seg in snap["segments"]:
+        frames = seg.get("frames") or next((b.get("frames") for b in seg["blocks"] if b.get("frames")), [])
+        site = by_site[f"stream {seg['stream']} {_where(frames)}"]
+        site[0] += seg["total_size"]
+        site[1] += 1
+    print("torch's segments by where they were made (MiB, count):")
+    for site, (size, n) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"  {size / MIB:9,.1f} {n:4d}  {site}")
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
