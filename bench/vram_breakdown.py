@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import time
 from typing import Any
 
 import torch
@@ -50,40 +51,40 @@ def main() -> int:
     baseline = driver.used() if driver is not None else None  # before this process's CUDA context
     sampler = VramSampler().start()
     torch.cuda.memory._record_memory_history(max_entries=200_000, context="all", stacks="python")
-    rows = []
+    print(f"{args.model}: --cpu-moe {args.cpu_moe}, --pcie-experts {args.pcie_experts}, {args.seqs} slots of "
+          f"{args.pp + args.tg} tokens")  # fmt: skip
+    print(
+        "| stage | s | driver MiB | torch reserved | allocated | peak allocated | peak reserved | driver - reserved |"
+    )
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    t0 = time.perf_counter()
 
-    def stage(name: str) -> None:
+    def stage(name: str) -> None:  # printed at once: a run cut short still says how far it got
         torch.cuda.synchronize()
         used = None if driver is None or baseline is None else driver.used() - baseline
-        rows.append((name, used, torch.cuda.memory_reserved(), torch.cuda.memory_allocated(),
-                     torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))  # fmt: skip
+        res = torch.cuda.memory_reserved()
+        u, gap = ("—", "—") if used is None else (f"{used / MIB:,.0f}", f"{(used - res) / MIB:,.0f}")
+        print(f"| {name} | {time.perf_counter() - t0:.0f} | {u} | {res / MIB:,.0f} | "
+              f"{torch.cuda.memory_allocated() / MIB:,.0f} | {torch.cuda.max_memory_allocated() / MIB:,.0f} | "
+              f"{torch.cuda.max_memory_reserved() / MIB:,.0f} | {gap} |", flush=True)  # fmt: skip
 
     llm = LLM(args.model, device="cuda", threads=args.threads, n_ctx=args.pp + args.tg, n_parallel=args.seqs,
               cpu_moe=args.cpu_moe, pcie_experts=args.pcie_experts)  # fmt: skip
     stage("loaded")
+    plan = llm.plan
+    gpu = plan.compute_device
+    print(f"plan: weights {plan.weight_bytes.get(gpu, 0) / MIB:,.0f} MiB, KV pool {plan.kv_bytes / MIB:,.0f}, "
+          f"workspace {plan.workspace_bytes / MIB:,.0f}, staging window {plan.staging_bytes / MIB:,.0f}, "
+          f"expert cache {plan.expert_cache.bytes / MIB:,.0f}; total {plan.gpu_bytes() / MIB:,.0f} MiB",
+          flush=True)  # fmt: skip
+
     time_prefill_decode(llm, args.pp, args.tg, seed=0)
     stage("one sequence")
     run_concurrent(llm, [args.seqs], args.pp, args.tg, 1)
     stage(f"{args.seqs} sequences")
     peak = sampler.stop()
-
-    print(f"{args.model}: --cpu-moe {args.cpu_moe}, --pcie-experts {args.pcie_experts}, {args.seqs} slots of "
-          f"{args.pp + args.tg} tokens")  # fmt: skip
-    print("| stage | driver MiB | torch reserved | allocated | peak allocated | peak reserved | driver - reserved |")
-    print("|---|---|---|---|---|---|---|")
-    for name, used, res, alloc, peak_alloc, peak_res in rows:
-        u = "—" if used is None else f"{used / MIB:,.0f}"
-        gap = "—" if used is None else f"{(used - res) / MIB:,.0f}"
-        print(f"| {name} | {u} | {res / MIB:,.0f} | {alloc / MIB:,.0f} | {peak_alloc / MIB:,.0f} | "
-              f"{peak_res / MIB:,.0f} | {gap} |")  # fmt: skip
     if peak.used_bytes is not None:
         print(f"driver peak over baseline (what bench reports): {peak.used_bytes / MIB:,.0f} MiB")
-    plan = llm.plan
-    gpu = plan.compute_device
-    print(f"plan: weights {plan.weight_bytes.get(gpu, 0) / MIB:,.0f} MiB, KV pool {plan.kv_bytes / MIB:,.0f}, "
-          f"workspace {plan.workspace_bytes / MIB:,.0f}, staging window {plan.staging_bytes / MIB:,.0f}, "
-          f"expert cache {plan.expert_cache.bytes / MIB:,.0f}; total {plan.gpu_bytes() / MIB:,.0f} MiB")  # fmt: skip
-
     snap = torch.cuda.memory._snapshot()
     by_site: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for seg in snap["segments"]:
