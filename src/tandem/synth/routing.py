@@ -39,6 +39,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,14 +312,15 @@ def offset_embeddings(path: str | Path, seed: int, phases: int = 1) -> None:
     row_phase = token_phases(torch.arange(rows), rows, phases)
     if info.qtype not in (Q.F32, Q.F16):
         ggml.ggml_quantize_init(int(info.qtype))
-    for r0 in range(0, rows, EMBED_CHUNK_ROWS):
+
+    def requantize(r0: int) -> None:
         n = min(EMBED_CHUNK_ROWS, rows - r0)
         view = table[r0 * row_bytes : (r0 + n) * row_bytes]
         values = dequantize(torch.from_numpy(np.array(view)), info.qtype, (n, d)) + offsets[row_phase[r0 : r0 + n]]
         values = np.ascontiguousarray(values.numpy(), dtype=np.float32)
         if info.qtype == Q.F32:
             view[:] = values.view(np.uint8).reshape(-1)
-            continue
+            return
         out = np.empty(n * row_bytes, dtype=np.uint8)
         written = ggml.ggml_quantize_chunk(
             int(info.qtype), values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.ctypes.data_as(ctypes.c_void_p),
@@ -327,8 +329,11 @@ def offset_embeddings(path: str | Path, seed: int, phases: int = 1) -> None:
         if written != out.nbytes:
             raise SynthError(f"token_embd.weight: ggml quantized {written} bytes of {out.nbytes} ({info.qtype.name})")
         view[:] = out
+
+    # ggml quantizes on the calling thread and ctypes lets go of the GIL: the chunks side by side (disjoint rows)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(requantize, range(0, rows, EMBED_CHUNK_ROWS)))
     table.flush()
-    del table
 
 
 def calibration_texts(n_vocab: int, phases: int, n_seqs: int, length: int, gen: torch.Generator) -> list[list[int]]:
