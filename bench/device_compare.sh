@@ -48,6 +48,7 @@
 #     Triton's compiles and autotuning are per kernel and shape, so the cache then serves the full models
 #     (not with MODEL_FILES). Full-size prewarms took 255 s for three models at 11:46; side by side, the
 #     6-layer ones tuned under load (see the comment at PREWARM below).
+#   LLAMA=0 (no llama.cpp at all: a call that only runs the GPU tests)
 #   LLAMA_JOBS=16 (the llama.cpp build's parallel jobs)
 #   LLAMA_BUILD_ARGS=--no-amx (if llama.cpp's CPU kernels die with SIGILL there, as on the dev machines)
 #   LLAMA_CMAKE_EXTRA (default -DGGML_CUDA_FA=OFF: skip the FlashAttention kernels, ~80 of the CUDA files; the
@@ -153,15 +154,20 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
     TARBALL="$(ls "$repo"/.peers/llama_cpp_python-*.tar.xz 2>/dev/null | head -1)" PYTHON="$PY" JOBS="${LLAMA_JOBS:-16}" \
       SRC_CACHE=/tmp/llama_src bash scripts/build_llamacpp.sh --cuda ${LLAMA_BUILD_ARGS:-} --target "$PEER_LIB"
   }
-  if compgen -G "$LLAMA_BUNDLE[0-9][0-9]" >/dev/null; then
+  llama_pid=""
+  if [[ "${LLAMA:-1}" == 0 ]]; then
+    say "llama-cpp-python: not wanted (LLAMA=0)"
+  elif compgen -G "$LLAMA_BUNDLE[0-9][0-9]" >/dev/null; then
     say "llama-cpp-python: unpacking the build carried in ${LLAMA_BUNDLE#"$repo"/}NN; ggml-python built side by side"
   else
     say "building llama-cpp-python (CUDA, sm_90) and ggml-python side by side"
   fi
-  get_llama >/tmp/llama_build.log 2>&1 &
-  llama_pid=$!
+  if [[ "${LLAMA:-1}" != 0 ]]; then
+    get_llama >/tmp/llama_build.log 2>&1 &
+    llama_pid=$!
+  fi
   tools_pid=""
-  if [[ -n "${BATCHED:-}${HTTP:-}" && "$DEVICE" != cpu && ! -x "$LLAMA_TOOLS/bin/llama-server" ]]; then
+  if [[ "${LLAMA:-1}" != 0 && -n "${BATCHED:-}${HTTP:-}" && "$DEVICE" != cpu && ! -x "$LLAMA_TOOLS/bin/llama-server" ]]; then
     (  # once get_llama has ended (exited: a zombie until waited for, or gone), against the libraries it left
       while [[ -e /proc/$llama_pid && "$(awk '{print $3}' "/proc/$llama_pid/stat" 2>/dev/null)" != Z ]]; do sleep 1; done
       JOBS="${LLAMA_JOBS:-16}" bash scripts/build_llamacpp_tools.sh "$LLAMA_TOOLS" --shared-libs "$PEER_LIB"
