@@ -41,7 +41,7 @@ from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
-from tandem.state.batch import StepBatch
+from tandem.state.batch import SeqSpan, StepBatch
 from tandem.state.kv_cache import KVPool, LayerKV
 
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
@@ -58,9 +58,7 @@ class AttentionShape:
     sliding_window: int | None  # None: full causal attention
     softcap: float | None = None
 
-    def new_kv(
-        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
-    ) -> KVPool:
+    def new_kv(self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> KVPool:
         """The KV buffers of every slot of a layer with this geometry: on a GPU, a sliding-window layer keeps a
         ring of window + n_batch - 1 rows (VRAM is what --cpu-moe users lack); on the CPU, every position, in the
         order whose sums reproduce llama.cpp's rounding (see the module docstring)."""
@@ -123,17 +121,60 @@ def attend_step(
     k and v into each sequence's cache, attention over it -> [T, H, Dv]. Shared by the attention layers.
 
     A pooled decode step (on a GPU) runs as one batch over the pool (`_pooled_decode`); otherwise each
-    sequence's rows attend over its own slot, one sequence after the other."""
+    sequence's rows attend over its own slot, one sequence after the other, except on a GPU the sequences that
+    advance by one token beside prompt chunks: those attend together as in a pooled step (`_decode_rows`)."""
     if batch.pooled:
         return _pooled_decode(layer, q, k, v, batch, pool, sinks)
     q = layer.rope.apply(q, batch.positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel on CUDA
     k = layer.rope.apply(k, batch.positions, layer.k_norm, layer.norm_eps)  # (row by row: all rows at once)
+    single = [span for span in batch.spans if span.n == 1] if q.is_cuda else []
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device) if single else None
+    if out is not None:
+        _decode_rows(layer, q, k, v, batch, pool, sinks, single, out)
     outs = []
     for span in batch.spans:
+        if out is not None and span.n == 1:
+            continue
         rows, cache = span.rows, pool.slot(span.slot)
         keys, values, first = cache.store(span.start, k[rows], v[rows])  # [S, G, D] from position `first`
-        outs.append(attend(q[rows], keys, values, batch.positions[rows], layer.shape, sinks, first, cache))
+        attended = attend(q[rows], keys, values, batch.positions[rows], layer.shape, sinks, first, cache)
+        if out is None:
+            outs.append(attended)
+        else:
+            out[rows] = attended
+    if out is not None:
+        return out
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode_rows(
+    layer: _QKNormed,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: StepBatch,
+    pool: KVPool,
+    sinks: torch.Tensor | None,
+    single: list[SeqSpan],
+    out: torch.Tensor,
+) -> None:
+    """The one-token sequences of a step that also holds prompt chunks (on a GPU; q and k roped): their keys and
+    values into the pool and their attention in one launch each, as a pooled decode step computes them (a
+    sequence then decodes by the same kernel in either kind of step), into their rows of `out`. Computed one by
+    one, each would cost a dozen small launches per layer: with 16 sequences those were most of a mixed step's
+    kernels (docs/PERFORMANCE.md, session 15)."""
+    from tandem.cuda.decode_attention import decode_attention
+    from tandem.cuda.norm_rope import store_rows
+
+    s = layer.shape
+    rows = torch.tensor([span.offset for span in single], device=q.device)
+    slots = torch.tensor([span.slot for span in single], device=q.device)
+    positions = batch.positions[rows]
+    store_rows(k[rows], positions, pool.k, slots=slots)
+    store_rows(v[rows], positions, pool.v, slots=slots)
+    out[rows] = decode_attention(
+        q[rows], pool.k, pool.v, positions, s.scale, s.sliding_window, s.softcap, sinks, slots=slots
+    )
 
 
 def _pooled_decode(
@@ -381,8 +422,14 @@ def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: Att
     threads = torch.get_num_threads() if padded * t >= ATTENTION_THREADED_FROM else 1
     rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * padded))
     outs = [
-        ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k.numpy(), vt.numpy(),
-                       mask[r0 : r0 + rows], float(kq_scale), threads)  # fmt: skip
+        ggml_attention(
+            np.ascontiguousarray(q16[:, r0 : r0 + rows]),
+            k.numpy(),
+            vt.numpy(),
+            mask[r0 : r0 + rows],
+            float(kq_scale),
+            threads,
+        )  # fmt: skip
         for r0 in range(0, t, rows)
     ]
     out = torch.from_numpy(np.concatenate(outs, axis=1)).transpose(0, 1)  # [T, H, Dv]
