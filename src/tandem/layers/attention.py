@@ -58,7 +58,9 @@ class AttentionShape:
     sliding_window: int | None  # None: full causal attention
     softcap: float | None = None
 
-    def new_kv(self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int) -> KVPool:
+    def new_kv(
+        self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
+    ) -> KVPool:
         """The KV buffers of every slot of a layer with this geometry: on a GPU, a sliding-window layer keeps a
         ring of window + n_batch - 1 rows (VRAM is what --cpu-moe users lack); on the CPU, every position, in the
         order whose sums reproduce llama.cpp's rounding (see the module docstring)."""
@@ -422,14 +424,8 @@ def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: Att
     threads = torch.get_num_threads() if padded * t >= ATTENTION_THREADED_FROM else 1
     rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * padded))
     outs = [
-        ggml_attention(
-            np.ascontiguousarray(q16[:, r0 : r0 + rows]),
-            k.numpy(),
-            vt.numpy(),
-            mask[r0 : r0 + rows],
-            float(kq_scale),
-            threads,
-        )  # fmt: skip
+        ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k.numpy(), vt.numpy(),
+                       mask[r0 : r0 + rows], float(kq_scale), threads)  # fmt: skip
         for r0 in range(0, t, rows)
     ]
     out = torch.from_numpy(np.concatenate(outs, axis=1)).transpose(0, 1)  # [T, H, Dv]
