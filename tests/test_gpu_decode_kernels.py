@@ -139,3 +139,36 @@ def test_gemv_16bit_activations(qtype: Q, dtype: torch.dtype) -> None:
     want = qmatmul(x.float(), w)
     got = qmatmul(x, w).float()
     assert ((got - want).norm() / want.norm()).item() < 4e-3
+
+
+def test_autotune_timing_is_the_gpus_alone() -> None:
+    """cuda/autotune.py graph_bench: twice the bytes take about twice the time, the quantiles are ordered, and a
+    thread that keeps the interpreter busy while the candidates are timed (as ggml's host ops or a compiler keep
+    the CPU busy) does not enter the figure."""
+    import threading
+
+    from tandem.cuda.autotune import graph_bench
+
+    src = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    half = lambda: dst[: 32 << 20].copy_(src[: 32 << 20])  # noqa: E731
+    full = lambda: dst.copy_(src)  # noqa: E731
+    t_half, t_full = graph_bench(half), graph_bench(full)
+    assert isinstance(t_half, float) and isinstance(t_full, float)
+    assert 1.6 < t_full / t_half < 2.4, (t_half, t_full)
+    q50, q20, q80 = graph_bench(full, (0.5, 0.2, 0.8))  # type: ignore[misc]
+    assert q20 <= q50 <= q80
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        busy = graph_bench(full)
+    finally:
+        stop.set()
+        thread.join()
+    assert busy < 1.25 * t_full, (busy, t_full)

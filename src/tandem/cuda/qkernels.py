@@ -40,6 +40,8 @@ import os
 import triton
 import triton.language as tl
 
+from tandem.cuda.autotune import graph_bench
+
 # ggml type ids (gguf.GGMLQuantizationType values) the kernels read natively.
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
 
@@ -52,6 +54,8 @@ Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
 # Under Triton's CPU interpreter (tests without a GPU) one configuration, with BN > 1 and SB > 1 to cover the
 # masking past N and past K.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Candidates timed from CUDA graphs, so a busy CPU cannot pick them (cuda/autotune.py); the interpreter has one each.
+_TIMING = None if _INTERPRET else graph_bench
 _QMV_CONFIGS = (
     [triton.Config({"BN": 4, "SB": 2}, num_warps=4)]
     if _INTERPRET
@@ -345,6 +349,7 @@ def _qmv_step(acc, rows, row_ok, kb, x_row, bcast, K, QT: tl.constexpr, D2: tl.c
     key=["N", "K", "QT", "HAS_IDS"],
     prune_configs_by={"early_config_prune": _qmv_configs},
     cache_results=not _INTERPRET,
+    do_bench=_TIMING,
 )
 @triton.jit
 def _qmv(
@@ -442,7 +447,9 @@ def _align_slots(
     tl.store(tiles_ptr + ex, n_tiles, mask=e_ok & (t == 0))
 
 
-@triton.autotune(configs=_GQMM_CONFIGS, key=["N", "K", "QT", "BM", "IEEE"], cache_results=not _INTERPRET)
+@triton.autotune(
+    configs=_GQMM_CONFIGS, key=["N", "K", "QT", "BM", "IEEE"], cache_results=not _INTERPRET, do_bench=_TIMING
+)
 @triton.jit(do_not_specialize=["tile0", "e0"])
 def _grouped_qmm(
     w_ptr, x_ptr, y_ptr, tile_expert_ptr, slot_ptr, tile0, e0, N, K, row_bytes, expert_bytes, x_div, stride_x,
