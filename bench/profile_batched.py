@@ -1,7 +1,8 @@
 """Where a batched step spends its time (run on the device): N sequences decoding together, and N prompts
 prefilled together, per placement.
 
-    python bench/profile_batched.py MODEL [--placements all,cpu-moe] [--seqs 16] [-t 16] [--pp 128]
+    python bench/profile_batched.py MODEL [--placements all,cpu-moe] [--seqs 16] [-t 16] [--pp 128] [--ctx N]
+        [--host 25] [--sampler]
 
 For each placement: the wall time of a decode step of N rows (the mean over 16 steps), the GPU kernels of a few
 such steps (torch profiler, graph replays included) by total GPU time, with their count per step, and the same
@@ -11,6 +12,9 @@ for the prefill of N prompts of PP tokens. What bench/batched_compare.py measure
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -50,9 +54,31 @@ def _table(prof: profile, steps: int, rows: int) -> str:
     return "\n".join(lines)
 
 
-def profile_placement(path: str, name: str, n: int, pp: int, threads: int, rows: int) -> None:
+def _host_profile(llm: tandem.LLM, n: int, pp: int, rows: int) -> str:
+    """The host's time in one prefill of n prompts by function, the largest own times first."""
+    seqs = _admit(llm, n, pp, 4, seed=11)
+    _sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    while not all(s.n_output for s in seqs):
+        llm.engine.step()
+    _sync()
+    prof.disable()
+    wall = (time.perf_counter() - t0) * 1e3
+    while llm.engine.has_work:
+        llm.engine.step()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    body = out.getvalue().split("ncalls", 1)[-1]
+    return f"prefill under cProfile: {wall:.1f} ms wall\n  ncalls{body}"
+
+
+def profile_placement(
+    path: str, name: str, n: int, pp: int, threads: int, rows: int, ctx: int | None = None, host: int = 0
+) -> None:
     start = time.perf_counter()
-    llm = tandem.LLM(path, n_ctx=pp + 64, n_parallel=n, threads=threads, **PLACEMENTS[name])
+    llm = tandem.LLM(path, n_ctx=ctx or pp + 64, n_parallel=n, threads=threads, **PLACEMENTS[name])
     engine = llm.engine
     print(f"== {name}: {n} sequences, pp {pp} (loaded in {time.perf_counter() - start:.1f} s)", flush=True)
     for rep in range(2):  # the first captures the graphs and tunes the kernels of these shapes
@@ -81,6 +107,8 @@ def profile_placement(path: str, name: str, n: int, pp: int, threads: int, rows:
             engine.step()
         _sync()
     print(f"prefill of {n} prompts:\n{_table(prefill, 1, rows)}")
+    if host:
+        print(_host_profile(llm, n, pp, host))
     for _ in range(4):
         engine.step()
     _sync()
@@ -106,9 +134,17 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("-t", "--threads", type=int, default=16)
     p.add_argument("--rows", type=int, default=18, help="kernels listed per table")
+    p.add_argument("--ctx", type=int, default=None, help="context size (default: pp + 64)")
+    p.add_argument("--host", type=int, default=0, help="functions listed in the prefill's host profile (0: none)")
+    p.add_argument("--sampler", action="store_true", help="the bench worker's VRAM sampler thread runs meanwhile")
     args = p.parse_args()
+    from tandem.bench.vram import VramSampler
+
+    sampler = VramSampler().start() if args.sampler else None
     for name in args.placements.split(","):
-        profile_placement(args.model, name, args.seqs, args.pp, args.threads, args.rows)
+        profile_placement(args.model, name, args.seqs, args.pp, args.threads, args.rows, args.ctx, args.host)
+    if sampler is not None:
+        sampler.stop()
 
 
 if __name__ == "__main__":

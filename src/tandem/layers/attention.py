@@ -41,9 +41,11 @@ from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
-from tandem.state.batch import SeqSpan, StepBatch
+from tandem.state.batch import RowSpans, StepBatch
 from tandem.state.kv_cache import KVPool, LayerKV
 
+# On a GPU, a prompt chunk of at most this many (query, key) pairs attends row by row (`_row_spans`).
+ROW_ATTENTION_PAIRS = 1 << 16
 # Where a sliding-window layer keeps a ring of window + n_batch - 1 rows instead of every position.
 RING_DEVICE_TYPES = ("cuda",)
 
@@ -123,19 +125,23 @@ def attend_step(
     k and v into each sequence's cache, attention over it -> [T, H, Dv]. Shared by the attention layers.
 
     A pooled decode step (on a GPU) runs as one batch over the pool (`_pooled_decode`); otherwise each
-    sequence's rows attend over its own slot, one sequence after the other, except on a GPU the sequences that
-    advance by one token beside prompt chunks: those attend together as in a pooled step (`_decode_rows`)."""
+    sequence's rows attend over its own slot, one sequence after the other, except on a GPU the one-token
+    sequences and short prompt chunks: those attend together, row by row, as in a pooled step (`_row_spans`)."""
     if batch.pooled:
         return _pooled_decode(layer, q, k, v, batch, pool, sinks)
     q = layer.rope.apply(q, batch.positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel on CUDA
     k = layer.rope.apply(k, batch.positions, layer.k_norm, layer.norm_eps)  # (row by row: all rows at once)
-    single = [span for span in batch.spans if span.n == 1] if q.is_cuda else []
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device) if single else None
-    if out is not None:
-        _decode_rows(layer, q, k, v, batch, pool, sinks, single, out)
+    by_rows = _row_spans(batch) if q.is_cuda else None
+    if by_rows is not None and by_rows.every_row:
+        return _attend_rows(layer, q, k, v, batch.positions, pool, sinks, by_rows.slots)
+    out = None
+    if by_rows is not None:
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+        rows = by_rows.rows
+        out[rows] = _attend_rows(layer, q[rows], k[rows], v[rows], batch.positions[rows], pool, sinks, by_rows.slots)
     outs = []
     for span in batch.spans:
-        if out is not None and span.n == 1:
+        if by_rows is not None and span.offset in by_rows.offsets:
             continue
         rows, cache = span.rows, pool.slot(span.slot)
         keys, values, first = cache.store(span.start, k[rows], v[rows])  # [S, G, D] from position `first`
@@ -149,34 +155,45 @@ def attend_step(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _decode_rows(
+def _row_spans(batch: StepBatch) -> RowSpans | None:
+    """The spans of a step (on a GPU) that attend row by row, as a pooled decode step's rows do: every
+    one-token sequence, and every chunk whose queries times keys are at most ROW_ATTENTION_PAIRS (short
+    prompts: their per-sequence attention would cost a dozen small launches each, which for 16 prompts were most
+    of their prefill's ~48,000 kernels; docs/PERFORMANCE.md). None when no span does. Made once per step."""
+    if batch.attention_rows is None:
+        spans = [s for s in batch.spans if s.n == 1 or s.n * (s.start + s.n) <= ROW_ATTENTION_PAIRS]
+        rows = slots = None
+        if spans:
+            device = batch.positions.device
+            rows = torch.tensor([r for s in spans for r in range(s.offset, s.offset + s.n)], device=device)
+            slots = torch.tensor([s.slot for s in spans for _ in range(s.n)], device=device)
+        every = len(spans) == len(batch.spans)
+        batch.attention_rows = RowSpans(frozenset(s.offset for s in spans), rows, slots, every)
+    return batch.attention_rows if batch.attention_rows.offsets else None
+
+
+def _attend_rows(
     layer: _QKNormed,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    batch: StepBatch,
+    positions: torch.Tensor,
     pool: KVPool,
     sinks: torch.Tensor | None,
-    single: list[SeqSpan],
-    out: torch.Tensor,
-) -> None:
-    """The one-token sequences of a step that also holds prompt chunks (on a GPU; q and k roped): their keys and
-    values into the pool and their attention in one launch each, as a pooled decode step computes them (a
-    sequence then decodes by the same kernel in either kind of step), into their rows of `out`. Computed one by
-    one, each would cost a dozen small launches per layer: with 16 sequences those were most of a mixed step's
-    kernels (docs/PERFORMANCE.md, session 15)."""
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Rows of a step (q and k roped), each of its slot's sequence at its position: their keys and values into
+    the pool, then each row's attention over its slot's keys up to its own position (causal by position, so a
+    chunk's rows see each other as they should), in one launch each, as a pooled decode step computes them (a
+    sequence decodes by the same kernel in either kind of step). A chunk's rows are at most n_batch, so a
+    sliding-window ring (window + n_batch - 1 rows) still holds every key its first row sees."""
     from tandem.cuda.decode_attention import decode_attention
     from tandem.cuda.norm_rope import store_rows
 
     s = layer.shape
-    rows = torch.tensor([span.offset for span in single], device=q.device)
-    slots = torch.tensor([span.slot for span in single], device=q.device)
-    positions = batch.positions[rows]
-    store_rows(k[rows], positions, pool.k, slots=slots)
-    store_rows(v[rows], positions, pool.v, slots=slots)
-    out[rows] = decode_attention(
-        q[rows], pool.k, pool.v, positions, s.scale, s.sliding_window, s.softcap, sinks, slots=slots
-    )
+    store_rows(k, positions, pool.k, slots=slots)
+    store_rows(v, positions, pool.v, slots=slots)
+    return decode_attention(q, pool.k, pool.v, positions, s.scale, s.sliding_window, s.softcap, sinks, slots=slots)
 
 
 def _pooled_decode(

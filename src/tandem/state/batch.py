@@ -5,7 +5,7 @@ Shapes: T = tokens of the step (every sequence's, one after the other), B = sequ
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,18 @@ class SeqSpan:
         return slice(self.offset, self.offset + self.n)
 
 
+@dataclass(frozen=True)
+class RowSpans:
+    """Spans of a step taken row by row (by their `offsets`): `rows` [R] their rows of the step and `slots` [R]
+    each row's slot (device tensors, int64; None when no span is); `every_row` when they are all of the step's
+    rows, in order."""
+
+    offsets: frozenset[int]
+    rows: torch.Tensor | None
+    slots: torch.Tensor | None
+    every_row: bool
+
+
 @dataclass
 class StepBatch:
     """What the layers read about a step (they infer nothing from a tensor's length).
@@ -42,6 +54,9 @@ class StepBatch:
     decode: bool
     slots: torch.Tensor | None = None  # [T] each row's slot (compute device): pooled decode steps
     logit_rows: torch.Tensor | None = None  # [B] rows whose logits the step returns (None: every row)
+    # The spans whose rows attend one by one by slot, made by the first attention layer that asks and kept for
+    # the step's other layers (layers/attention.py `_row_spans`).
+    attention_rows: RowSpans | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_tokens(self) -> int:
