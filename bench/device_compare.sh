@@ -68,6 +68,7 @@
 #     of AB_MATRIX (e.g. all), once per variant, in the same call, its table in the log: `ggml25` runs on ggml-python
 #     built around llama.cpp's ggml 0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too),
 #     `+repack` adds --repack-experts, `pcieK` --pcie-experts K (after BENCH_FLAGS: it wins), `tNN` uses NN threads,
+#     `amx` sets TANDEM_AMX=1 (a CPU model's matrices in ggml's AMX buffer, as llama.cpp's build holds them),
 #     `tree-NAME` imports tandem from ab/NAME/src: another
 #     branch's src/ copied there, untracked, which the device call carries with the working tree)
 #   FIDELITY=1 (after the build, before the benches: scripts/fidelity.py, tandem's GPU settings and llama.cpp's CUDA
@@ -121,6 +122,10 @@ TG="${TG:-128}"
 REPS="${REPS:-3}"
 THREADS="${THREADS:-16}"
 DEVICE="${DEVICE:-cuda}"
+# DEVICE=cpu: both engines with the GPU hidden, so llama.cpp's CUDA build computes on its CPU backend (with the GPU
+# visible it would still hand large batches to it)
+hide_gpu=(env)
+[[ "$DEVICE" == cpu ]] && hide_gpu+=(CUDA_VISIBLE_DEVICES=)
 DEADLINE_S="${DEADLINE_S:-570}"
 PROFILE_PLACEMENTS="${PROFILE_PLACEMENTS:-cpu-moe,all}"
 PY="${PYTHON:-python3}"
@@ -365,6 +370,7 @@ for k in "${!targets[@]}"; do
   target=${targets[$k]%%:*}
   matrix=$MATRIX
   [[ ${targets[$k]} == *:* ]] && matrix=${targets[$k]#*:}
+  [[ "$DEVICE" == cpu && "$matrix" != none ]] && matrix=all  # one placement: the CPU's
   if [[ ${#files[@]} -eq 0 ]]; then
     [[ -f "$MODEL_DIR/$target.gguf" ]] || say "synth $target"
     model=$(synth "$target") || { status=1; continue; }
@@ -396,8 +402,8 @@ for k in "${!targets[@]}"; do
   say "bench $name: $share s (budget $budget s)${AB:+; then $n_ab AB variants, $ab_share s each}"
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   if [[ "$matrix" != none ]]; then
-    timeout -s TERM -k 10 "$share" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" -t "$THREADS" \
-      --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
+    timeout -s TERM -k 10 "$share" "${hide_gpu[@]}" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
+      -t "$THREADS" --matrix "$matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --compare llamacpp --peer-lib "$PEER_LIB" \
       --timeout "$budget" --budget "$budget" --report "$OUT/$name" ${PROCESS_REPS:+--process-reps "$PROCESS_REPS"} \
       ${BENCH_FLAGS:-} >"/tmp/bench_$name.out"
     rc=$?
@@ -464,9 +470,14 @@ for k in "${!targets[@]}"; do
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
     [[ $variant =~ pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
+    envs=("${hide_gpu[@]}")
+    [[ $variant == *amx* ]] && envs+=(TANDEM_AMX=1)
+    ab_matrix=${AB_MATRIX:-cpu-moe}
+    [[ "$DEVICE" == cpu ]] && ab_matrix=all
     say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"
-    PYTHONPATH=$path timeout -s TERM -k 10 "$left" "$PY" -m tandem.cli.main bench -m "$model" --device "$DEVICE" \
-      --matrix "${AB_MATRIX:-cpu-moe}" --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
+    PYTHONPATH=$path timeout -s TERM -k 10 "$left" "${envs[@]}" "$PY" -m tandem.cli.main bench -m "$model" \
+      --device "$DEVICE" \
+      --matrix "$ab_matrix" --pp "$PP" --tg "$TG" --reps "$REPS" --timeout "$((left - 10))" \
       --budget "$((left - 10))" --report "/tmp/ab_${name}_$variant" ${BENCH_FLAGS:-} "${flags[@]}" \
       >"/tmp/ab_${name}_$variant.out" 2>&1  # the variant's flags last: they win over BENCH_FLAGS
     say "AB $name $variant: exit $?"

@@ -100,6 +100,37 @@ def test_repacked_copy_lives_and_dies_with_its_weight(kernels: CPUKernels) -> No
     assert copy() is None  # its finalizer freed the buffer and the context
 
 
+def test_amx_only_when_asked_and_where_it_runs(kernels: CPUKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANDEM_AMX=1 puts a Q4_K matrix into ggml's AMX buffer only where a child process's AMX product ran and
+    matched (the dev machine advertises AMX and faults on its first tile instruction: the child dies, this
+    process goes on, with CPU_REPACK and a notice); without the switch AMX is never taken."""
+    import tandem.quant.ggml_weights as gw
+
+    rng = np.random.default_rng(14)
+    w = GGMLWeight(random_weight_bytes(Q.Q4_K, (64, 512), rng), Q.Q4_K, (64, 512))
+    monkeypatch.delenv(gw.AMX_ENV, raising=False)
+    gw.amx_usable.cache_clear()
+    assert not gw.amx_usable() and gw.amx_notice() == ""
+    plain_kind = repacked_or_skip(w).repacked.kind
+    assert plain_kind == "CPU_REPACK"
+    monkeypatch.setenv(gw.AMX_ENV, "1")
+    gw.amx_usable.cache_clear()
+    try:
+        usable = gw.amx_usable()
+        prepared = repacked_or_skip(w)
+        x = torch.randn(64, 512)
+        assert rel_err(kernels.matmul(x, prepared), kernels.matmul(x, w).double()) < 1e-5
+        if usable:
+            assert prepared.repacked.kind == "AMX" and gw.amx_notice() == ""
+        else:
+            assert prepared.repacked.kind == "CPU_REPACK" and gw.AMX_ENV in gw.amx_notice()
+            if "AMX" in gw._extra_buffer_types():  # the child ran (and died or disagreed), not this process
+                assert "child process" in gw.amx_notice()
+    finally:
+        monkeypatch.delenv(gw.AMX_ENV)
+        gw.amx_usable.cache_clear()
+
+
 def _loader(info: TensorInfo, compute_device: str) -> WeightLoader:
     plan = SimpleNamespace(
         device_of=lambda name: "cpu", compute_device=compute_device, staging_bytes=0, devices={info.name: "cpu"}

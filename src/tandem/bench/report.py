@@ -370,6 +370,11 @@ def render_markdown(report: Report) -> str:
         for r in loaded:
             parts = ", ".join(f"{k} {v / MIB:,.0f}" for k, v in sorted(r.runs[0]["weight_bytes"].items()))
             lines.append(f"- {ENGINE_NAMES.get(r.engine, r.engine)} `{r.placement.label}`: {parts}")
+    noticed = [r for r in report.rows if r.runs and r.runs[0].get("notices")]
+    if noticed:  # what tandem's own options and fallbacks did (e.g. TANDEM_AMX, --repack-experts)
+        lines += ["", "tandem's notices at load:", ""]
+        for r in noticed:
+            lines.append(f"- `{r.placement.label}`: " + "; ".join(r.runs[0]["notices"]))
     failed = [r for r in report.rows if r.status != "ok"]
     if failed:
         lines += ["", "## What did not run", ""]

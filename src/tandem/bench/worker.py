@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _time_rep(llm, warm, min(args.tg, 4), seed=-1, sync=sync)
         warmup_s = time.perf_counter() - start
         common = {"engine": "tandem", "load_s": load_s, "warmup_s": warmup_s, "threads": llm.threads}
-        common |= {"weight_bytes": weight_bytes, "version": _version()}
+        common |= {"weight_bytes": weight_bytes, "version": _version(), "notices": list(llm.notices)}
         time_rep = functools.partial(_time_rep, llm, sync=sync)
         done = timed_reps("tandem", time_rep, args.pp, args, common, lambda: memory(sampler.reading))
     finally:

@@ -7,9 +7,15 @@ file's memory map) and, where ggml's CPU backend multiplies a weight from anothe
   buffer type and kernels: such a matrix is copied into it (`RepackedTensor`; ggml decides, through the
   buffer type and `supports_op`, as llama.cpp's loader asks it) and its products run on the copy
   (`prepare_cpu_weight`). That costs the weight's bytes in RAM, as in llama.cpp (whose mmap pages of those
-  weights then go cold). Only CPU_REPACK is used: the project's llama.cpp CPU builds leave AMX out
-  (scripts/build_llamacpp.sh). Expert stacks stay in the memory map, as llama.cpp keeps `--cpu-moe` experts,
+  weights then go cold). Expert stacks stay in the memory map, as llama.cpp keeps `--cpu-moe` experts,
   unless `--repack-experts` asks for copies (`repack_experts`).
+* AMX (behind `TANDEM_AMX=1`, to be measured): on a CPU with AMX, llama.cpp's default build puts the matrices
+  its AMX kernels take (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) into ggml's AMX buffer type before
+  CPU_REPACK (on the H200 machine: Qwen3-30B-A3B's attention, 749 MiB), where prefill multiplies them on tiles.
+  tandem's ggml has the same buffer type. With the switch, a matrix goes there first, once a child process has
+  run one AMX product and matched the plain one (`amx_usable`): some virtual machines advertise AMX and fault on
+  its first tile instruction (`ldtilecfg`: SIGSEGV on the 2-vCPU dev machine), which must not take the process
+  down. The project's llama.cpp CPU builds for the dev machine leave AMX out (scripts/build_llamacpp.sh).
 * The tiled K-quant product (`tandem.quant.ggml_tiled`): for 8 activation rows or more, llama.cpp runs
   K-quant weights that are not repacked through a tiled kernel that tandem's ggml lacks; its Q6_K case
   is computed exactly in torch.
@@ -21,6 +27,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -101,20 +110,89 @@ class GGMLWeight:
 
 
 @lru_cache(maxsize=1)
-def _repack_buffer_type() -> int | None:
-    """ggml's CPU_REPACK buffer type, from the CPU device's extra buffer types (None if this build has none)."""
+def _extra_buffer_types() -> dict[str, int]:
+    """The CPU device's extra buffer types by name (CPU_REPACK, AMX, ...: those this build has)."""
     reg = ggml.ggml_backend_cpu_reg()
     proc = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
     if not proc:
-        return None
+        return {}
     get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)
     types = get_extra(ggml.ggml_backend_reg_dev_get(reg, 0))
+    found: dict[str, int] = {}
     i = 0
     while types and types[i]:
-        if ggml.ggml_backend_buft_name(types[i]) == b"CPU_REPACK":
-            return int(types[i])
+        found[ggml.ggml_backend_buft_name(types[i]).decode()] = int(types[i])
         i += 1
-    return None
+    return found
+
+
+def _repack_buffer_type() -> int | None:
+    """ggml's CPU_REPACK buffer type (None if this build has none)."""
+    return _extra_buffer_types().get("CPU_REPACK")
+
+
+AMX_ENV = "TANDEM_AMX"  # 1: matrices into ggml's AMX buffer where it runs here (module docstring)
+_AMX_CHECK_ROWS = 64  # activation rows of the child's product: on AMX's tiles (one row takes another path)
+
+
+def amx_self_check() -> bool:
+    """One Q4_K product of 64 rows from ggml's AMX buffer against the plain product: whether they agree to 1e-3.
+    Run in a child process (`amx_usable`): where AMX faults, this process dies."""
+    buft = _extra_buffer_types().get("AMX")
+    if buft is None:
+        return False
+    from tandem.quant.ggml_cpu import CPUKernels
+
+    rng = np.random.default_rng(0)
+    n, k = 64, 512
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
+    raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    scales = (rng.uniform(0.005, 0.015, size=(n * k // block, 2))).astype(np.float16)
+    raw[:, :4] = scales.view(np.uint8)  # d and dmin: finite, small
+    w = GGMLWeight(raw.reshape(-1), GGMLQuantizationType.Q4_K, (n, k))
+    amx = RepackedTensor.create(w, (buft,))
+    if amx is None:
+        return False
+    import torch
+
+    kernels = CPUKernels(1)
+    try:
+        x = torch.from_numpy(rng.standard_normal((_AMX_CHECK_ROWS, k)).astype(np.float32))
+        plain = kernels.matmul(x, w)
+        got = kernels.matmul(x, dataclasses.replace(w, repacked=amx))
+    finally:
+        kernels.close()
+    return bool(torch.isfinite(got).all()) and float((got - plain).abs().max()) <= 1e-3 * float(plain.abs().max())
+
+
+@lru_cache(maxsize=1)
+def amx_usable() -> bool:
+    """Whether matrices go into ggml's AMX buffer: asked for (TANDEM_AMX=1), in this build, and its product ran
+    and matched in a child process (`amx_self_check`)."""
+    if os.environ.get(AMX_ENV) != "1" or "AMX" not in _extra_buffer_types():
+        return False
+    code = "import sys; from tandem.quant.ggml_weights import amx_self_check; sys.exit(0 if amx_self_check() else 3)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def amx_notice() -> str:
+    """One line when TANDEM_AMX=1 asked for AMX and this machine cannot give it (else empty)."""
+    if os.environ.get(AMX_ENV) != "1" or amx_usable():
+        return ""
+    if "AMX" not in _extra_buffer_types():
+        return f"{AMX_ENV}=1: this ggml build has no AMX buffer type; matrices stay as without it"
+    return f"{AMX_ENV}=1: ggml's AMX product failed in a child process on this CPU; matrices stay as without it"
+
+
+def _matrix_buffer_types() -> tuple[int, ...]:
+    """The extra buffer types a matrix may be copied into, in llama.cpp's order of preference."""
+    found = _extra_buffer_types()
+    names = ("AMX", "CPU_REPACK") if amx_usable() else ("CPU_REPACK",)
+    return tuple(found[name] for name in names if name in found)
 
 
 # Activation rows of the product llama.cpp's loader asks the backend about (weight_buft_supported).
@@ -130,22 +208,32 @@ class RepackedTensor:
     CPU backend picks the repacked kernels from the buffer's type and runs them with `extra`.
     """
 
-    __slots__ = ("data", "buffer", "extra", "nbytes", "__weakref__")
+    __slots__ = ("data", "buffer", "extra", "nbytes", "kind", "__weakref__")
 
-    def __init__(self, ctx: int, buffer: int, tensor: ggml.ggml_tensor_p) -> None:
+    def __init__(self, ctx: int, buffer: int, tensor: ggml.ggml_tensor_p, kind: str) -> None:
         self.buffer = buffer
         self.data = int(tensor.contents.data)
         self.extra = int(tensor.contents.extra)
         self.nbytes = int(ggml.ggml_nbytes(tensor))
+        self.kind = kind  # the buffer type's name: CPU_REPACK or AMX
         weakref.finalize(self, _free_repacked, ctx, buffer)
 
     @classmethod
-    def create(cls, w: GGMLWeight) -> RepackedTensor | None:
-        """w repacked, or None when ggml does not repack its type and shape on this machine (or the build
-        has no CPU_REPACK buffer type): ggml decides, as llama.cpp's loader asks it."""
-        buft = _repack_buffer_type()
-        if buft is None:
-            return None
+    def create(cls, w: GGMLWeight, bufts: tuple[int, ...] | None = None) -> RepackedTensor | None:
+        """w copied into the first of `bufts` (default: a matrix's `_matrix_buffer_types`, a stack's CPU_REPACK)
+        that takes its type and shape on this machine, or None when none does: ggml decides, as llama.cpp's
+        loader asks it."""
+        if bufts is None:
+            repack = _repack_buffer_type()
+            bufts = _matrix_buffer_types() if len(w.shape) == 2 else (() if repack is None else (repack,))
+        for buft in bufts:
+            made = cls._create(w, buft)
+            if made is not None:
+                return made
+        return None
+
+    @classmethod
+    def _create(cls, w: GGMLWeight, buft: int) -> RepackedTensor | None:
         k = w.shape[-1]
         mem = ggml.ggml_tensor_overhead() * 4
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
@@ -174,7 +262,7 @@ class RepackedTensor:
         except BaseException:
             _free_repacked(ctx, buffer)
             raise
-        return cls(ctx, buffer, t)
+        return cls(ctx, buffer, t, ggml.ggml_backend_buft_name(buft).decode())
 
 
 class _DebugLogFilter:
@@ -227,10 +315,10 @@ def _free_repacked(ctx: int, buffer: int | None) -> None:
 
 
 def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
-    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the CPU_REPACK
-    buffer when ggml repacks it, else left in the memory map, with the tiled kernel's product for 8 rows
-    or more where llama.cpp's build has one for its type. Stacked experts (mul_mat_id) are left as they are.
-    """
+    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the AMX (with
+    TANDEM_AMX=1) or CPU_REPACK buffer when ggml takes it there, else left in the memory map, with the tiled
+    kernel's product for 8 rows or more where llama.cpp's build has one for its type. Stacked experts
+    (mul_mat_id) are left as they are."""
     if len(w.shape) != 2 or w.repacked is not None or w.tiled is not None:
         return w
     repacked = RepackedTensor.create(w)

@@ -26,7 +26,7 @@ from tandem.placement import PlacementPlan, cpu_experts_by_layer, expert_layer, 
 from tandem.placement.plan import STAGING_ALIGN, staging_aligned
 from tandem.quant.dequant import dequantize, dequantize_rows
 from tandem.quant.ggml_cpu import CPUKernels
-from tandem.quant.ggml_weights import GGMLWeight, lookup_supported, prepare_cpu_weight
+from tandem.quant.ggml_weights import AMX_ENV, GGMLWeight, amx_notice, lookup_supported, prepare_cpu_weight
 from tandem.quant.types import GPU_FLOAT_TYPES, GPU_NATIVE_TYPES
 from tandem.weights.expert_cache import CacheSlots
 from tandem.weights.offload import (
@@ -117,6 +117,7 @@ class WeightLoader:
         )
         self._dequantized: dict[str, int] = {}
         self._notices: list[str] = []
+        self._amx_bytes = 0  # matrices copied into ggml's AMX buffer (TANDEM_AMX=1)
         # CPU expert stacks copied for ggml's interleaved kernels, made on a pool as loading goes
         cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
         self._repacks = ExpertRepacks(cpu_stacks, repack_experts, kernels.n_threads)
@@ -157,6 +158,10 @@ class WeightLoader:
         """One line per quant type that has no GPU kernel and was dequantized at load, one per fallback, and one per
         option of tandem's own that changed how experts compute (--repack-experts, --pcie-experts)."""
         own = [self._repacks.notice] if self._repacks.notice else []  # what tandem's own options did
+        if self._amx_bytes:
+            own.append(f"{AMX_ENV}=1: {self._amx_bytes / 2**20:,.0f} MiB of matrices in ggml's AMX buffer")
+        elif amx_notice():
+            own.append(amx_notice())
         if self._cached:
             n = sum(len(ids) for ids, _ in self._cached.values())
             mib = sum(b for _, b in self._cached.values()) / 2**20
@@ -253,7 +258,10 @@ class WeightLoader:
             self._record(info, info.data)
             weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
             if self.compute_device.type == "cpu":  # llama.cpp's CPU backend: repacked / tiled products
-                return GGMLLinear(prepare_cpu_weight(weight), self.kernels)
+                prepared = prepare_cpu_weight(weight)
+                if prepared.repacked is not None and prepared.repacked.kind == "AMX":
+                    self._amx_bytes += prepared.repacked.nbytes
+                return GGMLLinear(prepared, self.kernels)
             return self._boundary(HostLinear(GGMLLinear(weight, self.kernels)))
         from tandem.cuda.qlinear import GPUQuantWeight
         from tandem.cuda.weights import DenseLinear, GPUQuantLinear
