@@ -119,10 +119,11 @@ def test_amx_only_when_asked_and_where_it_runs(kernels: CPUKernels, monkeypatch:
         usable = gw.amx_usable()
         prepared = repacked_or_skip(w)
         x = torch.randn(64, 512)
-        assert rel_err(kernels.matmul(x, prepared), kernels.matmul(x, w).double()) < 1e-5
-        if usable:
-            assert prepared.repacked.kind == "AMX" and gw.amx_notice() == ""
+        err = rel_err(kernels.matmul(x, prepared), kernels.matmul(x, w).double())
+        if usable:  # AMX's own rounding of the activations: within the child's acceptance bound
+            assert prepared.repacked.kind == "AMX" and gw.amx_notice() == "" and err < 1e-3
         else:
+            assert err < 1e-6
             assert prepared.repacked.kind == "CPU_REPACK" and gw.AMX_ENV in gw.amx_notice()
             if "AMX" in gw._extra_buffer_types():  # the child ran (and died or disagreed), not this process
                 assert "child process" in gw.amx_notice()
