@@ -126,11 +126,6 @@ def _extra_buffer_types() -> dict[str, int]:
     return found
 
 
-def _repack_buffer_type() -> int | None:
-    """ggml's CPU_REPACK buffer type (None if this build has none)."""
-    return _extra_buffer_types().get("CPU_REPACK")
-
-
 AMX_ENV = "TANDEM_AMX"  # 1: matrices into ggml's AMX buffer where it runs here (module docstring)
 _AMX_CHECK_ROWS = 64  # activation rows of the child's product: on AMX's tiles (one row takes another path)
 
@@ -188,10 +183,11 @@ def amx_notice() -> str:
     return f"{AMX_ENV}=1: ggml's AMX product failed in a child process on this CPU; matrices stay as without it"
 
 
-def _matrix_buffer_types() -> tuple[int, ...]:
-    """The extra buffer types a matrix may be copied into, in llama.cpp's order of preference."""
+def _buffer_types(matrix: bool) -> tuple[int, ...]:
+    """The extra buffer types a matrix (or a stack of experts) may be copied into, in llama.cpp's order of
+    preference: AMX only for matrices, and only where `amx_usable`."""
     found = _extra_buffer_types()
-    names = ("AMX", "CPU_REPACK") if amx_usable() else ("CPU_REPACK",)
+    names = ("AMX", "CPU_REPACK") if matrix and amx_usable() else ("CPU_REPACK",)
     return tuple(found[name] for name in names if name in found)
 
 
@@ -220,13 +216,9 @@ class RepackedTensor:
 
     @classmethod
     def create(cls, w: GGMLWeight, bufts: tuple[int, ...] | None = None) -> RepackedTensor | None:
-        """w copied into the first of `bufts` (default: a matrix's `_matrix_buffer_types`, a stack's CPU_REPACK)
-        that takes its type and shape on this machine, or None when none does: ggml decides, as llama.cpp's
-        loader asks it."""
-        if bufts is None:
-            repack = _repack_buffer_type()
-            bufts = _matrix_buffer_types() if len(w.shape) == 2 else (() if repack is None else (repack,))
-        for buft in bufts:
+        """w copied into the first of `bufts` (default: `_buffer_types`) that takes its type and shape on this
+        machine, or None when none does: ggml decides, as llama.cpp's loader asks it."""
+        for buft in _buffer_types(len(w.shape) == 2) if bufts is None else bufts:
             made = cls._create(w, buft)
             if made is not None:
                 return made

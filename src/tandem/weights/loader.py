@@ -160,8 +160,8 @@ class WeightLoader:
         own = [self._repacks.notice] if self._repacks.notice else []  # what tandem's own options did
         if self._amx_bytes:
             own.append(f"{AMX_ENV}=1: {self._amx_bytes / 2**20:,.0f} MiB of matrices in ggml's AMX buffer")
-        elif amx_notice():
-            own.append(amx_notice())
+        elif notice := amx_notice():
+            own.append(notice)
         if self._cached:
             n = sum(len(ids) for ids, _ in self._cached.values())
             mib = sum(b for _, b in self._cached.values()) / 2**20
