@@ -125,26 +125,39 @@ def test_top_logits_close_to_llamacpp(gemma: tandem.LLM, fixture: dict) -> None:
             assert abs(float(ours[token]) - logit) < 0.5, (token, float(ours[token]), logit)
 
 
+def _ops() -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in np.load(OPS).items()}
+
+
+def _same(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    ours = ours.reshape(ref.shape)
+    assert torch.equal(ours, ref), f"{int((ours != ref).sum())} of {ref.numel()} differ"
+
+
 def test_ops_match_llamacpp_bit_for_bit(gemma: tandem.LLM) -> None:
-    """llama.cpp's own inputs through tandem's CPU ops give llama.cpp's outputs exactly: RMS norm, local
-    and global rope, attention with an f16 cache while prefilling (7 rows) and while decoding (1 row at
-    position 12, whose query has f16-subnormal elements once scaled), and GEGLU's f16 GELU table."""
-    ops = {k: torch.from_numpy(v) for k, v in np.load(OPS).items()}
+    """llama.cpp's own inputs through tandem's CPU ops give llama.cpp's outputs exactly, on any x86 CPU (these
+    ops add in no vector-width-dependent order): RMS norm, local and global rope, and GEGLU's f16 GELU table."""
+    ops = _ops()
     blocks = gemma.model.blocks
     assert gemma.config.activation == "gelu_tanh_ggml"
-
-    def same(ours: torch.Tensor, ref: torch.Tensor) -> None:
-        ours = ours.reshape(ref.shape)
-        assert torch.equal(ours, ref), f"{int((ours != ref).sum())} of {ref.numel()} differ"
-
-    same(rms_norm(ops["norm_x"], blocks[1].mixer_norm, blocks[1].eps), ops["norm_y"])
-    t = ops["ids"].numel()
-    prefill = torch.arange(t)
+    _same(rms_norm(ops["norm_x"], blocks[1].mixer_norm, blocks[1].eps), ops["norm_y"])
+    prefill = torch.arange(ops["ids"].numel())
     for kind, layer in (("local", 0), ("global", 5)):
-        same(blocks[layer].mixer.rope.apply(ops[f"rope_{kind}_x"], prefill), ops[f"rope_{kind}_y"])
+        _same(blocks[layer].mixer.rope.apply(ops[f"rope_{kind}_x"], prefill), ops[f"rope_{kind}_y"])
+    _same(ACTIVATIONS["gelu_tanh_ggml"](ops["geglu_gate"]) * ops["geglu_up"], ops["geglu_out"])
+
+
+@recording_cpu
+def test_attention_matches_llamacpp_bit_for_bit(gemma: tandem.LLM) -> None:
+    """Attention with an f16 cache while prefilling (7 rows) and while decoding (1 row at position 12, whose
+    query has f16-subnormal elements once scaled): llama.cpp's AVX-512 build's outputs exactly. Its sums run in
+    16-float lanes; on an AVX2 CPU both engines run 8-float ones (test_ggml_cpu's emulation tests check those)."""
+    ops = _ops()
+    blocks = gemma.model.blocks
+    prefill = torch.arange(ops["ids"].numel())
     shape = blocks[0].mixer.shape
-    same(attend(ops["prefill_q"], ops["prefill_k"].half(), ops["prefill_v"].half(), prefill, shape), ops["prefill_out"])
+    out = attend(ops["prefill_q"], ops["prefill_k"].half(), ops["prefill_v"].half(), prefill, shape)
+    _same(out, ops["prefill_out"])
     position = torch.tensor([ops["decode_ids"].numel() - 1])
     out = attend(ops["decode_q"], ops["decode_k"].half(), ops["decode_v"].half(), position, blocks[1].mixer.shape)
-    same(out, ops["decode_out"])
-    same(ACTIVATIONS["gelu_tanh_ggml"](ops["geglu_gate"]) * ops["geglu_up"], ops["geglu_out"])
+    _same(out, ops["decode_out"])

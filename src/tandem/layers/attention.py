@@ -295,19 +295,40 @@ def _sdpa(
 # In numpy (small steps: its per-call cost is a fraction of torch's), large sums in torch (one pass per
 # step over lane-major blocks, on all threads).
 
-_LANES = 16  # floats per AVX-512 register: tinyBLAS's KN and the softmax's vector width
-_STEP = 64  # ggml_vec_dot_f16's step (4 registers)
+@dataclass(frozen=True)
+class _SimdLayout:
+    """How this machine's ggml (and llama.cpp built for it) lays its float32 sums out in vector registers."""
+
+    lanes: int  # floats per register: tinyBLAS's KN and the softmax's runs
+    hadd: bool  # ggml_vec_dot_f16's final reduction by two `_mm_hadd_ps` (AVX2), not the register's halving
+
+    @property
+    def step(self) -> int:
+        """ggml_vec_dot_f16's step: 4 registers."""
+        return 4 * self.lanes
+
+
+def _simd_layout() -> _SimdLayout:
+    """AVX-512 where tandem's ggml is built with it (a native build: the machine's), else AVX2's."""
+    import ggml
+
+    return _SimdLayout(lanes=16, hadd=False) if ggml.ggml_cpu_has_avx512() else _SimdLayout(lanes=8, hadd=True)
+
+
+_SIMD = _simd_layout()
+_KV_PAD = 64  # llama.cpp pads the KV view to this many positions: where its vector runs end and a scalar tail starts
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [lanes, ...] partial-sum arrays (16 MiB)
 _SMALL = 1 << 16  # partial sums smaller than this are added in numpy, larger ones in torch
 
 
-def _reduce_lanes(acc: np.ndarray) -> np.ndarray:
-    """Sum the last dimension (16 float32 lanes) in `_mm512_reduce_add_ps`'s order (GCC): halves,
-    quarters, then lanes (0 + 2) + (1 + 3)."""
-    t = acc[..., 8:16] + acc[..., 0:8]
-    t = t[..., 4:8] + t[..., 0:4]
-    u = t[..., 0:2] + t[..., 2:4]
-    return u[..., 0] + u[..., 1]
+def _reduce_register(acc: np.ndarray) -> np.ndarray:
+    """Sum the first dimension (one register's float32 lanes) as ggml's horizontal sums do (GCC's
+    `_mm512_reduce_add_ps`, tinyBLAS's and the softmax's `hsum` of an AVX register): halves down to four lanes,
+    then (0 + 2) + (1 + 3)."""
+    while acc.shape[0] > 4:
+        half = acc.shape[0] // 2
+        acc = acc[half:] + acc[:half]
+    return (acc[0] + acc[2]) + (acc[1] + acc[3])
 
 
 def _lane_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -315,8 +336,8 @@ def _lane_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     dimensions; float32 holding f16 values): each lane sums its products in step order (exact
     products, so the fused multiply-adds are plain additions), then the lanes are added as ggml does.
 
-    64 lanes are `ggml_vec_dot_f16`'s 4 registers of 16, folded as (0 + 2) + (1 + 3); 16 lanes are
-    tinyBLAS's one register. The register is then reduced as `_mm512_reduce_add_ps`."""
+    `_SIMD.step` lanes are `ggml_vec_dot_f16`'s 4 registers, folded as (0 + 2) + (1 + 3) and then reduced as
+    GGML_F32x16_REDUCE / GGML_F32x8_REDUCE do; `_SIMD.lanes` lanes are tinyBLAS's one register."""
     shape = np.broadcast_shapes(a.shape[1:], b.shape[1:])
     if math.prod(shape) < _SMALL:  # numpy: a fraction of torch's per-call cost
         acc = a[0] * b[0]
@@ -328,12 +349,13 @@ def _lane_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         for i in range(a.shape[0]):
             acc_t.addcmul_(a_t[i], b_t[i])
         acc = acc_t.numpy()
-    if acc.shape[0] == _STEP:
-        acc = (acc[0:16] + acc[32:48]) + (acc[16:32] + acc[48:64])
-    t = acc[8:16] + acc[0:8]
-    t = t[4:8] + t[0:4]
-    u = t[0:2] + t[2:4]
-    return u[0] + u[1]
+    n = _SIMD.lanes
+    if acc.shape[0] == _SIMD.step:
+        acc = (acc[0:n] + acc[2 * n : 3 * n]) + (acc[n : 2 * n] + acc[3 * n : 4 * n])
+        if _SIMD.hadd:  # low half + high half, then two horizontal adds: (0 + 1) + (2 + 3)
+            t = acc[0:4] + acc[4:8]
+            return (t[0] + t[1]) + (t[2] + t[3])
+    return _reduce_register(acc)
 
 
 def _step_major(x: np.ndarray, axis: int, lanes: int) -> np.ndarray:
@@ -362,17 +384,30 @@ def _fma(a: np.ndarray, b: np.ndarray | np.float64, c: np.ndarray | np.float64 |
 
 
 def ggml_expf(x: np.ndarray) -> np.ndarray:
-    """exp(x) as ggml's `ggml_v_expf` (ggml-cpu/vec.h, the AVX-512 version) computes it, for float32 x."""
+    """exp(x) as ggml's `ggml_v_expf` (ggml-cpu/vec.h) computes it for float32 x, in its AVX-512 version or its
+    AVX2 one (`_SIMD`): the same reduction and polynomial, rounded differently at the end."""
     c, c64 = _EXP, _EXP64
     n = _fma(x, c64["log2e"], c64["round"]) - c["round"]
     b = _fma(-n, c64["ln2_lo"], _fma(-n, c64["ln2_hi"], x).astype(np.float64))
     u = b * b
     b64 = b.astype(np.float64)
     inner = _fma(_fma(b64, c64["c5"], c64["c4"]), u, _fma(b64, c64["c3"], c64["c2"]))
-    j = _fma(inner, u, _fma(b64, c64["c1"], 1.0))
-    with np.errstate(over="ignore", under="ignore"):  # _mm512_scalef_ps: j * 2^n, rounded once
-        res = np.ldexp(j.astype(np.float64), np.clip(n, -512, 512).astype(np.int32)).astype(np.float32)
     big = np.abs(n) > 192
+    if _SIMD.lanes == 16:
+        j = _fma(inner, u, _fma(b64, c64["c1"], 1.0))
+        with np.errstate(over="ignore", under="ignore"):  # _mm512_scalef_ps: j * 2^n, rounded once
+            res = np.ldexp(j.astype(np.float64), np.clip(n, -512, 512).astype(np.int32)).astype(np.float32)
+    else:  # j * 2^n + 2^n, one fused multiply-add; past |n| > 126 in two factors, the second rounded apart
+        j = _fma(inner, u, (c["c1"] * b).astype(np.float64))
+        n_int = np.clip(np.nan_to_num(n), -200, 200).astype(np.int32)
+        wide = np.abs(n_int) > 126
+        with np.errstate(over="ignore", under="ignore"):
+            k = np.ldexp(np.float64(1.0), np.where(wide, 0, n_int))
+            res = _fma(j, k, k)
+            if wide.any():
+                shift = np.where(n_int <= 0, -125, 127)
+                s2 = np.ldexp(np.float64(1.0), n_int - shift)
+                res = np.where(wide, _fma(j, s2, s2) * np.ldexp(np.float32(1.0), shift).astype(np.float32), res)
     if big.any():
         res = np.where(big, np.where(n <= 0, np.float32(0), np.float32(np.inf)), res)
     return res
@@ -387,7 +422,8 @@ def _softmax_ggml(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
         mx = np.maximum(mx, sinks)
     with np.errstate(invalid="ignore"):
         e = ggml_expf(scores - mx)
-    total = _reduce_lanes(e.reshape(*e.shape[:-1], -1, _LANES)).astype(np.float64).sum(-1, keepdims=True)
+    runs = np.moveaxis(e.reshape(*e.shape[:-1], -1, _SIMD.lanes), -1, 0)
+    total = _reduce_register(runs).astype(np.float64).sum(-1, keepdims=True)
     if sinks is not None:  # expf (the C library's, correctly rounded here) of the sink's logit
         total = total + np.exp((sinks - mx).astype(np.float64)).astype(np.float32)
     return e * (1.0 / total).astype(np.float32)
@@ -416,7 +452,7 @@ def _nodes_round_as_llamacpp(t: int, s: AttentionShape) -> bool:
     16, the other side's rows a multiple of 4). Elsewhere llama.cpp's several-row products use `ggml_vec_dot_f16`,
     whose tail sums in double where the float32 one sums in float (`_attend_ggml` emulates it; head sizes that are
     not multiples of 16 can differ, docs/reports/NOTES-FROM-CODE.md)."""
-    return t == 1 or (s.head_dim % _LANES == 0 and s.value_dim % 4 == 0)
+    return t == 1 or (s.head_dim % _SIMD.lanes == 0 and s.value_dim % 4 == 0)
 
 
 def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: AttentionShape) -> torch.Tensor:
@@ -429,7 +465,7 @@ def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: Att
     the first N positions of `kv` in float32, from the copies it keeps (LayerKV.float32_rows). Rows go through
     in chunks that bound the scores' memory."""
     t, n_keys = allowed.shape
-    padded = -(-n_keys // _STEP) * _STEP
+    padded = -(-n_keys // _KV_PAD) * _KV_PAD
     scale_queries, kq_scale = query_scaling(s.scale)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
@@ -463,10 +499,10 @@ def _attend_ggml(
     # llama.cpp runs one query row through ggml's own dot product (64 lanes), several through
     # tinyBLAS (16 lanes) when the shapes suit it: the summed dimension a multiple of 16, the rows
     # of the other side a multiple of 4
-    kq_lanes = _STEP if t == 1 or d % _LANES else _LANES
-    pv_lanes = _STEP if t == 1 or s.value_dim % 4 else _LANES
+    kq_lanes = _SIMD.step if t == 1 or d % _SIMD.lanes else _SIMD.lanes
+    pv_lanes = _SIMD.step if t == 1 or s.value_dim % 4 else _SIMD.lanes
     kq_full = d - d % kq_lanes  # ggml_vec_dot_f16 adds the products past it one by one, in double
-    padded = -(-n_keys // _STEP) * _STEP  # positions past the cache's are masked (probability 0)
+    padded = -(-n_keys // _KV_PAD) * _KV_PAD  # positions past the cache's are masked (probability 0)
     scale_queries, score_scale = query_scaling(s.scale)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
@@ -488,7 +524,7 @@ def _attend_ggml(
         # keys that no row of this chunk sees are left out, in whole steps: their probabilities are 0,
         # so they would only add zeros to the sums
         seen = np.flatnonzero(allow[r0:r1].any(0))
-        width = -(-(int(seen[-1]) + 1 if len(seen) else 1) // _STEP) * _STEP
+        width = -(-(int(seen[-1]) + 1 if len(seen) else 1) // _KV_PAD) * _KV_PAD
         n = min(width, n_keys)
         q_rows = qg[:, :, r0:r1]
         k_rows = kh[:n].transpose(1, 0, 2)  # [G, n, D]

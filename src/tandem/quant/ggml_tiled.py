@@ -85,6 +85,10 @@ def _tiled_arithmetic() -> str | None:
 
 TILED_ARITHMETIC = _tiled_arithmetic()
 INT8_PRODUCTS = hasattr(torch, "_int_mm")  # int8 x int8 -> int32 products on the CPU (oneDNN)
+# oneDNN's int8 products are fast only with VNNI instructions; without them (AVX2 CPUs such as AMD Zen 3) `_int_mm`
+# falls back to a scalar loop ~10x slower than the float32 products, which are as exact here: a block's sums of
+# int8 codes times int8 parts stay below 2^24 (64 * 127 * 256), so every partial sum is an integer a float32 holds.
+INT8_VNNI = torch.backends.cpu.get_cpu_capability() != "DEFAULT" and torch.cpu._is_vnni_supported()
 
 
 def tiled_product(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> TiledQ6K | None:
@@ -272,6 +276,9 @@ class TiledQ6K:
         # blocks a step: their sums within GROUP_BYTES (in the cache), in as few calls as fit
         group = max(1, min(nb, GROUP_BYTES // (8 * t * n)))
         sums = torch.empty(group, t, 2 * n, dtype=torch.int32)
+        if not INT8_VNNI:
+            codes = codes.float()
+            sums_f32 = torch.empty(t, 2 * n, dtype=torch.float32)
         s = torch.empty(group, t, n, dtype=torch.int32)
         r = torch.empty(group, t, n, dtype=torch.float32) if fused else torch.empty(nb, t, n, dtype=torch.float32)
         if fused:
@@ -279,7 +286,10 @@ class TiledQ6K:
         for b0 in range(0, nb, group):
             g = min(group, nb - b0)
             for i in range(g):
-                torch._int_mm(codes[:, b0 + i], parts[b0 + i], out=sums[i])  # [T, 2N] int32, exact
+                if INT8_VNNI:
+                    torch._int_mm(codes[:, b0 + i], parts[b0 + i], out=sums[i])  # [T, 2N] int32, exact
+                else:
+                    sums[i].copy_(torch.matmul(codes[:, b0 + i], parts[b0 + i].float(), out=sums_f32))  # exact
             torch.add(sums[:g, :, n:], sums[:g, :, :n], alpha=64, out=s[:g])  # |s| < 2^27: exact in int32
             rb = r[:g] if fused else r[b0 : b0 + g]
             torch.mul(s[:g], d_w[b0 : b0 + g].unsqueeze(1), out=rb)  # float(s) * d_w, as the kernel rounds it
