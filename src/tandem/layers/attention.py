@@ -5,15 +5,16 @@ Shapes: T = new tokens, S = cached positions (including the new ones), H = query
 G = KV heads, D = head dim.
 
 With an f16 cache on the CPU, attention rounds as llama.cpp's CPU backend does without flash
-attention (ggml-cpu: `mul_mat` through llamafile's tinyBLAS, `soft_max_ext`, AVX-512 build):
+attention (ggml-cpu: `mul_mat` through llamafile's tinyBLAS, `soft_max_ext`), in the vector width of the machine's
+build (`_SIMD`: AVX-512's 16 float lanes, AVX2's 8; below for AVX-512):
 
 - K.Q: the queries are converted to f16, so every product is exact in float32; with several query
   rows each output sums its products in 16 float32 lanes (lane i takes the products i, i+16, i+32, ...
   in order), then adds the lanes as `_mm512_reduce_add_ps` does; one row (decoding) goes through
-  `ggml_vec_dot_f16` instead: 64 lanes, folded to 16 before the same reduction;
-- softmax: exp is ggml's vectorized `ggml_v_expf` (its own polynomial, not the C library's), each run of
-  16 exponentials is reduced as above and the runs are summed in double; the probabilities are the
-  exponentials times the float 1/sum;
+  `ggml_vec_dot_f16` instead: 64 lanes, folded to 16 before the same reduction (AVX2 ends it with two `hadd`s);
+- softmax: exp is ggml's vectorized `ggml_v_expf` (its own polynomial, not the C library's; AVX2's rounds its
+  last step differently), each run of 16 exponentials is reduced as above and the runs are summed in double; the
+  probabilities are the exponentials times the float 1/sum;
 - P.V: the probabilities are converted to f16 and summed over positions as in K.Q.
 
 Without softcap or sinks these run as ggml's own nodes on the CPU, for one query row (decoding) or many
