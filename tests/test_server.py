@@ -22,6 +22,7 @@ import uvicorn
 import tandem
 from tandem.cli.main import main
 from tandem.runtime.sampling import NonFiniteLogitsError
+from tandem.runtime.scheduler import shared_prefix
 from tandem.server import EngineWorker, create_app, listen, protocol
 
 KEY = "test-key"
@@ -103,13 +104,8 @@ def _as_the_server_prefills(server: Running, reference: tandem.LLM, ids: list[in
     chunk's rows past a multiple of 4 in another order than the rest, so a prompt prefilled after a reused prefix can
     take another greedy token at a near tie than the same prompt prefilled whole (this test's prompt does); on
     AVX-512 the two are the same."""
-    shared = 0
-    for cache in server.llm.engine.pool.caches:
-        held = list(cache.tokens)
-        n = 0
-        while n < min(len(held), len(ids) - 1) and held[n] == ids[n]:
-            n += 1
-        shared = max(shared, n)
+    caches = server.llm.engine.pool.caches
+    shared = min(max(shared_prefix(cache.tokens, ids) for cache in caches), len(ids) - 1)
     reference.engine.reset()
     if shared:
         reference.engine.append(ids[:shared])

@@ -300,8 +300,12 @@ def _sdpa(
 class _SimdLayout:
     """How this machine's ggml (and llama.cpp built for it) lays its float32 sums out in vector registers."""
 
-    lanes: int  # floats per register: tinyBLAS's KN and the softmax's runs
-    hadd: bool  # ggml_vec_dot_f16's final reduction by two `_mm_hadd_ps` (AVX2), not the register's halving
+    lanes: int  # floats per register: tinyBLAS's KN and the softmax's runs (16: AVX-512, 8: AVX2)
+
+    @property
+    def avx2(self) -> bool:
+        """AVX2's reductions and exp: `ggml_vec_dot_f16` ends with two `_mm_hadd_ps`, `ggml_v_expf` with an FMA."""
+        return self.lanes == 8
 
     @property
     def step(self) -> int:
@@ -313,7 +317,7 @@ def _simd_layout() -> _SimdLayout:
     """AVX-512 where tandem's ggml is built with it (a native build: the machine's), else AVX2's."""
     import ggml
 
-    return _SimdLayout(lanes=16, hadd=False) if ggml.ggml_cpu_has_avx512() else _SimdLayout(lanes=8, hadd=True)
+    return _SimdLayout(lanes=16 if ggml.ggml_cpu_has_avx512() else 8)
 
 
 _SIMD = _simd_layout()
@@ -353,7 +357,7 @@ def _lane_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     n = _SIMD.lanes
     if acc.shape[0] == _SIMD.step:
         acc = (acc[0:n] + acc[2 * n : 3 * n]) + (acc[n : 2 * n] + acc[3 * n : 4 * n])
-        if _SIMD.hadd:  # low half + high half, then two horizontal adds: (0 + 1) + (2 + 3)
+        if _SIMD.avx2:  # low half + high half, then two horizontal adds: (0 + 1) + (2 + 3)
             t = acc[0:4] + acc[4:8]
             return (t[0] + t[1]) + (t[2] + t[3])
     return _reduce_register(acc)
@@ -394,7 +398,7 @@ def ggml_expf(x: np.ndarray) -> np.ndarray:
     b64 = b.astype(np.float64)
     inner = _fma(_fma(b64, c64["c5"], c64["c4"]), u, _fma(b64, c64["c3"], c64["c2"]))
     big = np.abs(n) > 192
-    if _SIMD.lanes == 16:
+    if not _SIMD.avx2:
         j = _fma(inner, u, _fma(b64, c64["c1"], 1.0))
         with np.errstate(over="ignore", under="ignore"):  # _mm512_scalef_ps: j * 2^n, rounded once
             res = np.ldexp(j.astype(np.float64), np.clip(n, -512, 512).astype(np.int32)).astype(np.float32)

@@ -26,13 +26,18 @@ class Work:
     samples: bool
 
 
+def shared_prefix(tokens: list[int], ids: list[int]) -> int:
+    """How many leading tokens `tokens` and `ids` have in common."""
+    n, limit = 0, min(len(tokens), len(ids))
+    while n < limit and tokens[n] == ids[n]:
+        n += 1
+    return n
+
+
 def reuse_prefix(cache: KVCache, ids: list[int]) -> None:
     """Cut `cache` to the longest prefix it shares with `ids`, short of the last token (whose logits are needed).
     Recurrent layers keep less (their latest checkpoint below it, or nothing): read `cache.length`."""
-    keep, limit = 0, min(len(cache.tokens), len(ids) - 1)
-    while keep < limit and cache.tokens[keep] == ids[keep]:
-        keep += 1
-    cache.truncate(keep)
+    cache.truncate(min(shared_prefix(cache.tokens, ids), max(0, len(ids) - 1)))
 
 
 class Scheduler:
@@ -100,10 +105,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> None:
         """A free slot for `seq`: the one whose tokens share the longest prefix with its prompt, cut to it."""
         def shared(slot: int) -> int:
-            tokens, n = self.pool.caches[slot].tokens, 0
-            while n < min(len(tokens), len(seq.prompt)) and tokens[n] == seq.prompt[n]:
-                n += 1
-            return n
+            return shared_prefix(self.pool.caches[slot].tokens, seq.prompt)
 
         slot = max(self._free, key=shared)  # ties: the least recently used (max keeps the first)
         self._free.remove(slot)
