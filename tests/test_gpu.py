@@ -159,10 +159,11 @@ def test_moe_archs_decode_is_captured(fixture: str, request: pytest.FixtureReque
         assert llm.engine.runner.captured(1) is not None, f"{fixture}: the decode step was never captured"
 
 
-def _chat_logits(path: Path, graphs: bool, flags: dict) -> tuple[torch.Tensor, list[str]]:
+def _chat_logits(path: Path, graphs: bool, flags: dict, chunks: bool = False) -> tuple[torch.Tensor, list[str]]:
     """Logits of a three-turn chat through Engine.feed / append: decode steps after each prompt; the second
     prompt diverges after the first one's recurrent checkpoint (restored), the third before it (back to the
-    start). Returns the stacked logits and what went wrong with the engine's bookkeeping (nothing, normally)."""
+    start). Returns the stacked logits and what went wrong with the engine's bookkeeping (nothing, normally);
+    with `chunks`, that no prompt chunk was captured is one of those."""
     from tandem.layers.delta_net import DeltaNetState
 
     turn1 = _prompt(70, 6)
@@ -192,6 +193,8 @@ def _chat_logits(path: Path, graphs: bool, flags: dict) -> tuple[torch.Tensor, l
                 problems.append(f"turn {turn}: recurrent lengths {[s.length for s in recurrent]} != {cache.length}")
             if [(s.conv.data_ptr(), s.ssm.data_ptr()) for s in recurrent] != pointers:
                 problems.append(f"turn {turn}: a recurrent state tensor was reallocated (the graph writes the old one)")
+        if chunks and not engine.runner.captured_chunks():
+            problems.append("no prompt chunk was captured")
     return torch.stack(logits), problems
 
 
@@ -209,6 +212,27 @@ def test_graph_decode_logits_match_eager_across_turns(fixture: str, name: str, r
     print(f"{fixture} {name}: max|graph - eager| {diff.max().item():.2e} (logits up to {scale:.1f})")
     bad = [(i, f"{d:.2e}") for i, d in enumerate(diff.tolist()) if d > 1e-4 * max(scale, 1.0)]
     assert not bad, f"{fixture} {name}: captured decode differs from eager at (step, max|diff|) {bad}"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3moe_gguf", *MOE_ARCHS])
+def test_captured_prompt_chunks_match_eager(fixture: str, request: pytest.FixtureRequest) -> None:
+    """All on the GPU, prompt chunks of n_batch tokens are captured (per bound of the cache rows they read) and
+    replayed: over the chat above with n_batch 16, chunks start at multiples of 16 and off them (after the
+    third turn's truncation), sliding-window rings wrap, recurrent states are read and written by slot. Their
+    logits are the eager steps', within f32 rounding; with CPU experts (host ops) no chunk is captured."""
+    path = request.getfixturevalue(fixture)[1]
+    eager, eager_problems = _chat_logits(path, False, {"n_batch": 16})
+    graphed, graph_problems = _chat_logits(path, True, {"n_batch": 16}, chunks=True)
+    assert not eager_problems and not graph_problems, {"eager": eager_problems, "graphs": graph_problems}
+    diff = (graphed - eager).abs().amax(dim=-1)
+    scale = eager.abs().max().item()
+    print(f"{fixture}: max|captured chunks - eager| {diff.max().item():.2e} (logits up to {scale:.1f})")
+    bad = [(i, f"{d:.2e}") for i, d in enumerate(diff.tolist()) if d > 1e-4 * max(scale, 1.0)]
+    assert not bad, f"{fixture}: captured prompt chunks differ from eager at (step, max|diff|) {bad}"
+    with tandem.LLM(path, device="cuda", cpu_moe=True, n_batch=16, n_ctx=128) as llm:
+        for seed in range(3):
+            llm.engine.feed(_prompt(40, seed))
+        assert not llm.engine.runner.captured_chunks(), "a step with CPU experts (host ops) was captured"
 
 
 @pytest.mark.parametrize("flags", [{"cpu_moe": True}, {"n_cpu_moe": 1}], ids=["cpu-moe", "n-cpu-moe-1"])

@@ -68,7 +68,7 @@ def test_decode_matches_reference(name: str, dtypes: tuple[torch.dtype, torch.dt
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_captured_decode_follows_positions(name: str) -> None:
-    """Captured once, replayed at every position after changing `positions` in place (as DecodeGraph does)."""
+    """Captured once, replayed at every position after changing `positions` in place (as CapturedStep does)."""
     s, with_sinks = SHAPES[name]
     q, keys, values, sinks = _inputs(s, with_sinks, torch.bfloat16, torch.bfloat16)
     positions = torch.zeros(1, dtype=torch.long, device="cuda")

@@ -46,8 +46,10 @@ class SegmentedGraph:
     """One captured step: a graph per host step, the host steps handing over through HostFlags while the graphs
     run (launched ahead), or (without flags) the graphs and the host steps between them, replayed in order."""
 
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(self, pool: tuple[int, int] | None = None) -> None:
+        """`pool`: a graph memory pool (torch.cuda.graph_pool_handle()) shared with graphs that never run at the
+        same time as this one; by default its own."""
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         # Split captures: graph, host step, graph, ..., graph. Flag captures: the graphs only (one more than the
         # host steps), with the host steps in `host_steps`.
         self.steps: list[Callable[[], object]] = []

@@ -129,7 +129,9 @@ def attend_step(
     sequence's rows attend over its own slot, one sequence after the other, except on a GPU the one-token
     sequences and short prompt chunks: those attend together, row by row, as in a pooled step (`_row_spans`)."""
     if batch.pooled:
-        return _pooled_decode(layer, q, k, v, batch, pool, sinks)
+        if batch.decode:
+            return _pooled_decode(layer, q, k, v, batch, pool, sinks)
+        return _pooled_chunk(layer, q, k, v, batch, pool, sinks)
     q = layer.rope.apply(q, batch.positions, layer.q_norm, layer.norm_eps)  # norm + rope: one kernel on CUDA
     k = layer.rope.apply(k, batch.positions, layer.k_norm, layer.norm_eps)  # (row by row: all rows at once)
     by_rows = _row_spans(batch) if q.is_cuda else None
@@ -219,6 +221,64 @@ def _pooled_decode(
     return decode_attention(q, pool.k, pool.v, positions, s.scale, s.sliding_window, s.softcap, sinks, slots=slots)
 
 
+def _pooled_chunk(
+    layer: _QKNormed,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: StepBatch,
+    pool: KVPool,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One sequence's prompt chunk on a GPU by device tensors only (capturable, as a pooled decode step)."""
+    assert batch.slots is not None
+    q = layer.rope.apply(q, batch.positions, layer.q_norm, layer.norm_eps)
+    k = layer.rope.apply(k, batch.positions, layer.k_norm, layer.norm_eps)
+    return attend_chunk(layer.shape, q, k, v, batch.positions, batch.slots, batch.key_rows, pool, sinks)
+
+
+def attend_chunk(
+    s: AttentionShape,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    key_rows: int,
+    pool: KVPool,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """A chunk of one sequence (q and k roped; every row's slot the same): keys and values into the slot's rows,
+    then attention over the first `key_rows` rows of its buffer, or its whole ring, each row's position computed
+    on the device and the rows a query may not see masked -> [T, H, Dv]. The ring holds window + n_batch - 1
+    rows: every key a chunk's queries see."""
+    from tandem.cuda.norm_rope import store_rows
+
+    store_rows(k, positions, pool.k, slots=slots)
+    store_rows(v, positions, pool.v, slots=slots)
+    n_rows = pool.rows if pool.window is not None else min(key_rows, pool.rows)
+    slot = slots[:1]
+    keys = pool.k[:, :n_rows].index_select(0, slot)[0]  # [S, G, D]: the slot's rows, copied (S is small)
+    values = pool.v[:, :n_rows].index_select(0, slot)[0]
+    row = torch.arange(n_rows, device=q.device)
+    if pool.window is None:
+        key_pos = row
+    else:  # a ring: row r holds the latest position = r (mod R) up to the chunk's last; negative: never written
+        last = positions[-1:]
+        key_pos = last - (last - row) % n_rows
+    allowed = _allowed(positions, key_pos, s.sliding_window) & (key_pos >= 0)
+    return _masked_attention(q, keys, values, allowed, s, sinks)
+
+
+def _allowed(positions: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[T, S]: whether the query at positions[t] sees the key at key_pos[s] (causal, within the window)."""
+    distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)
+    allowed = distance >= 0
+    if window is not None:
+        allowed &= distance < window
+    return allowed
+
+
 def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -241,17 +301,27 @@ def attend(
     from_start = s.sliding_window is None and first == 0 and n_keys == q.shape[0]
     if q.is_cuda and s.softcap is None and sinks is None and from_start:
         return _sdpa(q, keys, values, None, s, group)
-    key_pos = first + torch.arange(n_keys, device=q.device)
-    distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [T, S]
-    allowed = distance >= 0
-    if s.sliding_window is not None:
-        allowed &= distance < s.sliding_window
-    if q.is_cuda and s.softcap is None and sinks is None:  # one fused kernel instead of a dozen
-        return _sdpa(q, keys, values, allowed, s, group)
+    allowed = _allowed(positions, first + torch.arange(n_keys, device=q.device), s.sliding_window)  # [T, S]
     if keys.dtype is torch.float16 and not q.is_cuda:
         if s.softcap is None and sinks is None and _nodes_round_as_llamacpp(q.shape[0], s):
             return _attend_ggml_nodes(q, _float32_source(keys, values, first, cache), allowed.cpu().numpy(), s)
         return _attend_ggml(q, keys, values, allowed, s, sinks)
+    return _masked_attention(q, keys, values, allowed, s, sinks)
+
+
+def _masked_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    s: AttentionShape,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Softmax attention of q [T, H, D] over keys/values [S, G, D] where `allowed` [T, S], in float32 (torch's
+    fused kernel on a GPU where there is no softcap or sink) -> [T, H, Dv]."""
+    group = s.n_heads // s.n_kv_heads
+    if q.is_cuda and s.softcap is None and sinks is None:  # one fused kernel instead of a dozen
+        return _sdpa(q, keys, values, allowed, s, group)
     qh = q.float().transpose(0, 1)  # [H, T, D]
     kh = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
     vh = values.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, Dv]

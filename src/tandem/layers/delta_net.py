@@ -280,23 +280,39 @@ class GatedDeltaNet:
         continues where its state is and leaves the position count to the caller (KVCache.advance)."""
         s = self.shape
         t = x.shape[0]
-        if batch.pooled:  # on a GPU
+        if batch.pooled and batch.decode:  # on a GPU
             from tandem.cuda.delta_net import step_fits
 
             if step_fits(s):
                 return self.out(self._fused_step(x, pool, batch.slots))
         qkv = self.qkv(x)
         b, a = self.beta_alpha(x)  # [T, Hv] each
-        outs = []
-        for span in batch.spans:
-            state, rows = pool.slot(span.slot), span.rows
-            if span.start != state.length:
-                raise StateOrderError(f"delta-net state holds {state.length} positions, not {span.start}")
-            outs.append(self._rule(qkv[rows], b[rows], a[rows], state, span.n))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if batch.pooled and not batch.decode:
+            o = self._pooled_chunk(qkv, b, a, pool, batch)
+        else:
+            outs = []
+            for span in batch.spans:
+                state, rows = pool.slot(span.slot), span.rows
+                if span.start != state.length:
+                    raise StateOrderError(f"delta-net state holds {state.length} positions, not {span.start}")
+                outs.append(self._rule(qkv[rows], b[rows], a[rows], state, span.n))
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
         z = self.gate(x).view(t, s.n_v_heads, s.head_v_dim)
         o = rms_norm(o, self.norm, self.eps) * F.silu(z.float())  # [T, Hv, Dv]
         return self.out(o.reshape(t, s.value_dim).to(x.dtype))
+
+    def _pooled_chunk(
+        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, pool: DeltaNetPool, batch: StepBatch
+    ) -> torch.Tensor:
+        """A pooled chunk of one sequence (capturable): its slot's state read and written back by the device slot
+        index, not by a Python one. The runner has checked that the state holds the chunk's start."""
+        assert batch.slots is not None
+        slot = batch.slots[:1]
+        state = DeltaNetState(pool.conv.index_select(0, slot)[0], pool.ssm.index_select(0, slot)[0])
+        o = self._rule(qkv, b, a, state, qkv.shape[0])
+        pool.conv.index_copy_(0, slot, state.conv.unsqueeze(0))
+        pool.ssm.index_copy_(0, slot, state.ssm.unsqueeze(0))
+        return o
 
     def _rule(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: DeltaNetState, t: int) -> torch.Tensor:
         """One sequence's conv and gated delta rule over its T rows, continuing `state` -> o [T, Hv, Dv]."""

@@ -85,4 +85,4 @@ class DecoderModel:
         for rope in self.ropes.values():
             rope.reserve(n_ctx, self.device)
         layers = [b.mixer.new_state(n_slots, n_ctx, dtype, self.device, n_batch) for b in self.blocks]
-        return StatePool.of_layers(layers, n_slots, n_ctx)
+        return StatePool.of_layers(layers, n_slots, n_ctx, n_batch)

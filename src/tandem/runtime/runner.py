@@ -2,7 +2,10 @@
 
 On a GPU a decode step (one token per sequence) is replayed as a CUDA graph captured per batch-size bucket
 (split around the host ops of CPU experts, cuda/graphs.py); the batch is padded to its bucket with rows that
-touch no state. Every other step runs eagerly."""
+touch no state. Where the model has no host ops (every weight in VRAM), a step that is one sequence's full
+prompt chunk (n_batch tokens) is replayed as a graph too, captured per power-of-two bound of the cache rows its
+attention reads: eager, such a prefill is ~2,000-7,000 launches whose host time exceeds the GPU's. Every other
+step runs eagerly."""
 
 from __future__ import annotations
 
@@ -39,23 +42,28 @@ def _capturable(model: DecoderModel) -> bool:
     )
 
 
-class DecodeGraph:
-    """The decode step of `size` rows with static inputs, captured on first use and replayed after."""
+class CapturedStep:
+    """A pooled step shaped like `template` with static inputs, captured on its first call and replayed after.
+    `pool`: the graph memory pool it shares with other steps that never run at the same time (None: its own)."""
 
-    def __init__(self, model: DecoderModel, pool: StatePool, size: int) -> None:
+    def __init__(
+        self, model: DecoderModel, state: StatePool, template: StepBatch, pool: tuple[int, int] | None = None
+    ) -> None:
         from tandem.cuda.graphs import SegmentedGraph
 
-        self.model, self.pool = model, pool
-        device = model.device
-        self.x = torch.zeros(size, model.cfg.hidden, dtype=model.dtype, device=device)
+        self.model, self.state = model, state
+        self.x = torch.zeros(template.n_tokens, model.cfg.hidden, dtype=model.dtype, device=model.device)
+        assert template.slots is not None
         self.batch = StepBatch(
-            ids=torch.zeros(size, dtype=torch.long),
-            positions=torch.zeros(size, dtype=torch.long, device=device),
-            spans=(),  # the pooled decode path reads the device tensors only
-            decode=True,
-            slots=torch.full((size,), -1, dtype=torch.long, device=device),
+            ids=template.ids,
+            positions=template.positions.clone(),
+            spans=(),  # the pooled paths read the device tensors only
+            decode=template.decode,
+            slots=template.slots.clone(),
+            logit_rows=template.logit_rows,
+            key_rows=template.key_rows,
         )
-        self.graph = SegmentedGraph()
+        self.graph = SegmentedGraph(pool)
         self.logits: torch.Tensor | None = None
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
@@ -66,7 +74,7 @@ class DecodeGraph:
         self.batch.slots.copy_(batch.slots)
         if self.logits is None:
             self.logits = self.graph.capture(
-                lambda: self.model.blocks_and_head(self.x, self.batch, self.pool), self.model.host_boundaries
+                lambda: self.model.blocks_and_head(self.x, self.batch, self.state), self.model.host_boundaries
             )
         self.graph.replay()
         return self.logits
@@ -78,15 +86,23 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, pool: StatePool, graphs: bool = True) -> None:
         self.model, self.pool = model, pool
         self.capturable = graphs and _capturable(model)
+        # prefill chunks too, where no host op splits the step: streamed experts (CPU ones) read the routing on
+        # the host
+        self.capturable_chunks = self.capturable and not model.host_boundaries
         # a CPU step as ggml graphs, where they cover the model (a whole one: not a rank's under --tp)
         self.cpu_graph = StepGraph.create(model, pool) if model.reduce is None else None
-        self._graphs: dict[int, DecodeGraph] = {}
-        self._warm: set[int] = set()  # buckets run once eagerly: that run compiles what the capture records
+        self._graphs: dict[tuple[bool, int, int], CapturedStep] = {}  # (decode, rows, key rows) -> its graph
+        self._warm: set[tuple[bool, int, int]] = set()  # run once eagerly: that compiles what the capture records
+        self._chunk_pool: tuple[int, int] | None = None  # the graph memory the chunk graphs share
 
-    def captured(self, size: int = 1) -> DecodeGraph | None:
+    def captured(self, size: int = 1) -> CapturedStep | None:
         """The captured decode step of `size` rows, once it has been captured."""
-        graph = self._graphs.get(size)
+        graph = self._graphs.get((True, size, 0))
         return graph if graph is not None and graph.logits is not None else None
+
+    def captured_chunks(self) -> list[CapturedStep]:
+        """The prompt-chunk steps captured so far."""
+        return [g for (decode, _, _), g in self._graphs.items() if not decode and g.logits is not None]
 
     def run(self, pieces: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False) -> torch.Tensor:
         """Advance each slot of `pieces` (slot, tokens) by its tokens, which follow the slot's cached ones. Returns
@@ -104,15 +120,9 @@ class ModelRunner:
         device = self.model.device
         if decode and self.capturable and len(pieces) <= DECODE_BUCKETS[-1]:
             size = DECODE_BUCKETS[bisect.bisect_left(DECODE_BUCKETS, len(pieces))]
-            batch = StepBatch.build(at, device, pad_to=size)
-            if size in self._warm:
-                if size not in self._graphs:
-                    self._graphs[size] = DecodeGraph(self.model, self.pool, size)
-                logits = self._graphs[size](batch)
-            else:
-                logits = self.model.forward(batch, self.pool)
-                self._warm.add(size)
-            logits = logits[: len(pieces)]
+            logits = self._step(StepBatch.build(at, device, pad_to=size))[: len(pieces)]
+        elif self.capturable_chunks and not all_logits and len(pieces) == 1 and len(at[0][2]) == self.pool.n_batch:
+            logits = self._step(StepBatch.chunk(*at[0], device))
         elif self.cpu_graph is not None:  # a CPU step as ggml graphs: no batch descriptor tensors to make
             logits = self.cpu_graph.run(at, all_logits)
         else:
@@ -120,3 +130,21 @@ class ModelRunner:
         for cache, (_, tokens) in zip(caches, pieces, strict=True):
             cache.advance(tokens)
         return logits
+
+    def _step(self, batch: StepBatch) -> torch.Tensor:
+        """A pooled step: eager the first time its shape comes, captured the second, replayed after."""
+        key = (batch.decode, batch.n_tokens, batch.key_rows)
+        if key not in self._warm:
+            self._warm.add(key)
+            return self.model.forward(batch, self.pool)
+        if key not in self._graphs:
+            shared = None
+            if not batch.decode:
+                if self._chunk_pool is None:
+                    self._chunk_pool = torch.cuda.graph_pool_handle()
+                shared = self._chunk_pool
+                # the blocks the eager chunk left in torch's cache go back to the driver: the graph's pool is
+                # about the same working set, and both at once would be that much more VRAM
+                torch.cuda.empty_cache()
+            self._graphs[key] = CapturedStep(self.model, self.pool, batch, shared)
+        return self._graphs[key](batch)

@@ -44,8 +44,9 @@ class StepBatch:
     `decode`: every sequence advances by one token. On a GPU such a step is `pooled` (`slots` set): the mixers
     address the state pool by slot and position through device tensors and build no Python per sequence, so
     the step can be captured as a CUDA graph per batch size; rows whose slot is -1 are padding up to the
-    graph's size (their state is neither read nor written, their logits are ignored). Every other step
-    (prefill, chunks of several sequences, any step on the CPU) runs each sequence's mixer part on its slot's
+    graph's size (their state is neither read nor written, their logits are ignored). A pooled step that is
+    not `decode` is one sequence's prompt chunk (`chunk`), captured per length and `key_rows`. Every other
+    step (chunks of several sequences, any step on the CPU) runs each sequence's mixer part on its slot's
     state, `spans` in order."""
 
     ids: torch.Tensor  # [T] token ids (host)
@@ -54,6 +55,9 @@ class StepBatch:
     decode: bool
     slots: torch.Tensor | None = None  # [T] each row's slot (compute device): pooled decode steps
     logit_rows: torch.Tensor | None = None  # [B] rows whose logits the step returns (None: every row)
+    # A pooled chunk: the leading rows of a full KV buffer its attention reads (a power of two past its last
+    # position, so that a few graphs serve every start; the rows past a query's position are masked).
+    key_rows: int = 0
     # The spans whose rows attend one by one by slot, made by the first attention layer that asks and kept for
     # the step's other layers (layers/attention.py `_row_spans`).
     attention_rows: RowSpans | None = field(default=None, compare=False, repr=False)
@@ -65,6 +69,21 @@ class StepBatch:
     @property
     def pooled(self) -> bool:
         return self.slots is not None
+
+    @classmethod
+    def chunk(cls, slot: int, start: int, tokens: Sequence[int], device: torch.device) -> StepBatch:
+        """The pooled step of one sequence's prompt chunk on a GPU: `tokens` after the `start` ones of `slot`,
+        logits of the last one."""
+        n = len(tokens)
+        return cls(
+            ids=torch.tensor(list(tokens), dtype=torch.long),
+            positions=torch.arange(start, start + n, device=device),
+            spans=(),
+            decode=False,
+            slots=torch.full((n,), slot, dtype=torch.long, device=device),
+            logit_rows=torch.tensor([n - 1], device=device),
+            key_rows=1 << (start + n - 1).bit_length(),
+        )
 
     @classmethod
     def build(

@@ -18,11 +18,12 @@ class StatePool:
     layers: list[Any]  # per layer: the pool of its mixer's state (slot axis first)
     caches: list[KVCache]  # per slot
     n_ctx: int  # positions per slot
+    n_batch: int  # the most tokens a step may add to a slot (sliding-window rings are sized for it)
 
     @classmethod
-    def of_layers(cls, layers: list[Any], n_slots: int, n_ctx: int) -> StatePool:
+    def of_layers(cls, layers: list[Any], n_slots: int, n_ctx: int, n_batch: int) -> StatePool:
         caches = [KVCache(layers=[layer.slot(i) for layer in layers], n_ctx=n_ctx) for i in range(n_slots)]
-        return cls(layers=layers, caches=caches, n_ctx=n_ctx)
+        return cls(layers=layers, caches=caches, n_ctx=n_ctx, n_batch=n_batch)
 
     @property
     def n_slots(self) -> int:
