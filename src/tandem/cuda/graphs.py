@@ -86,9 +86,10 @@ class SegmentedGraph:
                 out = fn()
                 self._end()
         except BaseException:
-            if self._current is not None:  # leave no stream capturing behind an error
+            if self._current is not None:  # leave no stream capturing behind an error (ended where it began)
                 try:
-                    self._current.capture_end()
+                    with torch.cuda.stream(stream):
+                        self._current.capture_end()
                 except Exception:
                     pass
                 self._current = None

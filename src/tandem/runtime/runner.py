@@ -66,6 +66,12 @@ class CapturedStep:
         self.graph = SegmentedGraph(pool)
         self.logits: torch.Tensor | None = None
 
+    def capture(self) -> None:
+        """Record the step (nothing runs: the state is untouched)."""
+        self.logits = self.graph.capture(
+            lambda: self.model.blocks_and_head(self.x, self.batch, self.state), self.model.host_boundaries
+        )
+
     def __call__(self, batch: StepBatch) -> torch.Tensor:
         # The embedding lookup stays outside the graph: the table may be in host RAM (as llama.cpp keeps it).
         self.x.copy_(self.model.embed_tokens(batch.ids))
@@ -73,11 +79,9 @@ class CapturedStep:
         assert batch.slots is not None and self.batch.slots is not None
         self.batch.slots.copy_(batch.slots)
         if self.logits is None:
-            self.logits = self.graph.capture(
-                lambda: self.model.blocks_and_head(self.x, self.batch, self.state), self.model.host_boundaries
-            )
+            self.capture()
         self.graph.replay()
-        return self.logits
+        return self.logits  # type: ignore[return-value]
 
 
 class ModelRunner:
@@ -132,19 +136,34 @@ class ModelRunner:
         return logits
 
     def _step(self, batch: StepBatch) -> torch.Tensor:
-        """A pooled step: eager the first time its shape comes, captured the second, replayed after."""
+        """A pooled step: eager the first time its shape comes, then replayed; a decode step is captured the second
+        time (its first replay), a prompt chunk right after its eager run (prefill is what a benchmark's warm-up
+        and a user's first prompt do once)."""
         key = (batch.decode, batch.n_tokens, batch.key_rows)
-        if key not in self._warm:
-            self._warm.add(key)
-            return self.model.forward(batch, self.pool)
-        if key not in self._graphs:
-            shared = None
-            if not batch.decode:
-                if self._chunk_pool is None:
-                    self._chunk_pool = torch.cuda.graph_pool_handle()
-                shared = self._chunk_pool
-                # the blocks the eager chunk left in torch's cache go back to the driver: the graph's pool is
-                # about the same working set, and both at once would be that much more VRAM
-                torch.cuda.empty_cache()
-            self._graphs[key] = CapturedStep(self.model, self.pool, batch, shared)
-        return self._graphs[key](batch)
+        if key in self._graphs:
+            return self._graphs[key](batch)
+        if batch.decode and key in self._warm:
+            self._graphs[key] = CapturedStep(self.model, self.pool, batch)
+            return self._graphs[key](batch)
+        self._warm.add(key)
+        logits = self.model.forward(batch, self.pool)
+        if not batch.decode:
+            self._capture_chunk(key, batch)
+        return logits
+
+    def _capture_chunk(self, key: tuple[bool, int, int], batch: StepBatch) -> None:
+        """Capture a prompt chunk's step for its next replays. A model with an operation that cannot be captured
+        (float experts read their routing on the host past 32 slots: cuda/weights.py DenseExperts) keeps its
+        chunks eager."""
+        if self._chunk_pool is None:
+            self._chunk_pool = torch.cuda.graph_pool_handle()
+        # the blocks the eager chunk left in torch's cache go back to the driver: the graph's pool is about the
+        # same working set, and both at once would be that much more VRAM
+        torch.cuda.empty_cache()
+        step = CapturedStep(self.model, self.pool, batch, self._chunk_pool)
+        try:
+            step.capture()
+        except RuntimeError:  # torch.AcceleratorError: an operation not permitted while capturing
+            self.capturable_chunks = False
+            return
+        self._graphs[key] = step
