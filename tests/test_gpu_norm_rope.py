@@ -10,7 +10,7 @@ from norm_rope_refs import ref_rms_norm, ref_rope
 from tandem.cuda.decode_attention import decode_attention
 from tandem.cuda.norm_rope import store_rows
 from tandem.layers.attention import AttentionShape, attend_step
-from tandem.layers.norm import add_rms_norm, rms_norm
+from tandem.layers.norm import add_normed, add_rms_norm, rms_norm
 from tandem.layers.rope import Rope, RopeSpec, YarnSpec
 from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
@@ -115,6 +115,23 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
         assert torch.equal(total, x + h)
         assert torch.equal(normed, rms_norm(x + h, w, 1e-6))  # same arithmetic as the unfused norm kernel
         assert_close(normed, ref_rms_norm(x + h, w, 1e-6))
+
+
+@pytest.mark.parametrize("d", [2816, 4096, 640])
+def test_block_tail_in_one_kernel(d: int) -> None:
+    """`add_normed` on CUDA (one kernel: Gemma 4's two normed FFN branches, post-norm, residual add and layer scale)
+    is the ops' own chain and the float64 formula within f32 rounding (not bit for bit: inside one kernel the
+    compiler contracts a product and the sum after it into one FMA)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, a, b = (torch.randn(4, d, device="cuda", generator=g) * s for s in (4.0, 3.0, 20.0))
+    wa, wb, wp = (torch.randn(d, device="cuda", generator=g) for _ in range(3))
+    scale = torch.tensor([0.4], device="cuda")
+    y = add_normed(x, [(a, (wa, 1e-6)), (b, (wb, 1e-6))], (wp, 1e-6), scale)
+    unfused = (x + rms_norm(rms_norm(a, wa, 1e-6) + rms_norm(b, wb, 1e-6), wp, 1e-6)) * scale
+    assert_close(y, unfused.double())
+    ref = (x.double() + ref_rms_norm(ref_rms_norm(a, wa, 1e-6) + ref_rms_norm(b, wb, 1e-6), wp, 1e-6)) * 0.4
+    assert_close(y, ref)
+    assert_close(add_normed(x, [(a, (wa, 1e-6))]), x.double() + ref_rms_norm(a, wa, 1e-6))  # a post-norm, its add
 
 
 @pytest.mark.parametrize("cache_dtype", DTYPES, ids=str)

@@ -113,6 +113,50 @@ def test_add_rms_norm_rows(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) 
             assert_close(normed, ref_rms_norm(total, w, 1e-6))
 
 
+
+def _unfused_tail(x, a, a_norm, b, b_norm, post, scale):  # type: ignore[no-untyped-def]
+    """The ops `normed_residual_rows` replaces, with the norm kernel the unfused path runs."""
+    h = a if a_norm is None else norm_rope.rms_norm_rows(a, *a_norm)
+    if b is not None:
+        h = h + (b if b_norm is None else norm_rope.rms_norm_rows(b, *b_norm))
+    if post is not None:
+        h = norm_rope.rms_norm_rows(h, *post)
+    y = x + h
+    return y if scale is None else y * scale
+
+
+def _ref_tail(x, a, a_norm, b, b_norm, post, scale):  # type: ignore[no-untyped-def]
+    h = a.double() if a_norm is None else ref_rms_norm(a, *a_norm)
+    if b is not None:
+        h = h + (b.double() if b_norm is None else ref_rms_norm(b, *b_norm))
+    if post is not None:
+        h = ref_rms_norm(h, *post)
+    y = x.double() + h
+    return y if scale is None else y * scale.double()
+
+
+@pytest.mark.parametrize("scale", ["none", "scalar", "vector"])
+@pytest.mark.parametrize("parts", ["a", "norm(a)", "norm(a)+b", "a+norm(b)", "norm(a)+norm(b)"])
+@pytest.mark.parametrize("post", [False, True], ids=["", "post"])
+def test_normed_residual_rows(parts: str, post: bool, scale: str) -> None:
+    """A block's tail in one kernel is the unfused ops bit for bit, and the float64 formula within f32 rounding:
+    every combination of the branch norms, the second branch, the post-norm and the scale."""
+    g = torch.Generator().manual_seed(7)
+    d = 200
+    x, a, b = (torch.randn(3, d, generator=g) * s for s in (4.0, 3.0, 20.0))
+    wa, wb, wp = (torch.randn(d, generator=g) for _ in range(3))
+    a_norm = (wa, 1e-6) if parts.startswith("norm(a)") else None
+    has_b = "+" in parts
+    b_norm = (wb, 1e-5) if parts.endswith("norm(b)") else None
+    post_norm = (wp, 1e-6) if post else None
+    s = {"none": None, "scalar": torch.tensor([0.375]), "vector": torch.randn(d, generator=g)}[scale]
+    args = (x, a, a_norm, b if has_b else None, b_norm, post_norm, s)
+    y = norm_rope.normed_residual_rows(*args)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert torch.equal(y, _unfused_tail(*args))
+    assert_close(y, _ref_tail(*args))
+
+
 CACHE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="triton is a dev dependency (pip i
 if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
     pytest.skip("the interpreter run is for machines without a GPU; see tests/test_gpu.py", allow_module_level=True)
 
-from tandem.cuda.routing import route, router_logits  # noqa: E402
+from tandem.cuda.routing import mix_experts, route, router_logits  # noqa: E402
 from tandem.layers.moe import NormedSoftmaxTopKRouter, Routing, SoftmaxTopKRouter, TopKSoftmaxRouter  # noqa: E402
 
 WEIGHT_TOL = 1e-6
@@ -129,3 +129,27 @@ def test_router_logits_16bit_weight_strided_rows() -> None:
     x = torch.randn(3, 256, generator=g)[:, :200]
     ref = x.double() @ w.double().T
     assert ((router_logits(x, w).double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()
+
+
+@pytest.mark.parametrize("scale", [False, True], ids=["", "scale"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_mix_experts_is_the_torch_mixing(scale: bool, bias: bool) -> None:
+    """The selected experts' rows scaled, biased and mixed in one kernel: torch's index, multiply, add and sum within
+    f32 rounding, negative ids (a split's slots of other parts) indexing from the end as torch does, and columns
+    past a program's block."""
+    g = torch.Generator().manual_seed(3)
+    t, a, d, e = 5, 4, 1100, 6
+    out = torch.randn(t, a, d, generator=g)
+    ids = torch.randint(-1, e, (t, a), generator=g, dtype=torch.int32)
+    weights = torch.rand(t, a, generator=g)
+    s = torch.rand(e, generator=g) + 0.5 if scale else None
+    bb = torch.randn(e, d, generator=g) if bias else None
+    y = mix_experts(out, ids, weights, s, bb)
+    ref = out.double()
+    if s is not None:
+        ref = ref * s.double()[ids.long()].unsqueeze(-1)
+    if bb is not None:
+        ref = ref + bb.double()[ids.long()]
+    ref = (ref * weights.double().unsqueeze(-1)).sum(dim=1)
+    assert y.shape == (t, d) and y.dtype == torch.float32
+    assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-5 * ref.abs().max().item())

@@ -6,6 +6,8 @@
   (q/k norms), cos/sin gathered at the token's position read on the device, so a captured CUDA graph
   replays with new positions; optionally written straight into a KV-cache row at that position (of one
   sequence's buffer, or of the slot, read on the device too, of a batch's pool of buffers);
+- `_normed_residual`: a block's tail in one launch, x + post_norm(norm(a) + norm(b)) times a scale, every part
+  optional (Gemma's sandwich norms around two FFN branches, or a post-norm and its residual add);
 - `_store_rows`: rows cast into a buffer (or a pool's slots) at positions read on the device (values into
   the KV cache).
 
@@ -77,6 +79,41 @@ def _rms_norm(
             x = _row_values(x_row, h_row, offs, mask, x_stride_col, h_stride_col, sum_ptr, RESIDUAL)
             w = tl.load(w_ptr + offs * w_stride, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_row + offs, (x * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(v, w_row, cols, mask, n_cols, w_stride, eps):
+    """v / rms(v) * w in f32, as `_rms_norm` computes it (one chunk)."""
+    scale = _inv_rms(tl.sum(v * v, axis=0), n_cols, eps)
+    return v * scale * tl.load(w_row + cols * w_stride, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normed_residual(
+    x_ptr, a_ptr, wa_ptr, b_ptr, wb_ptr, wp_ptr, s_ptr, out_ptr, n_cols, x_stride, a_stride, b_stride,
+    wa_stride, wb_stride, wp_stride, s_stride, eps_a, eps_b, eps_p,
+    NORM_A: tl.constexpr, HAS_B: tl.constexpr, NORM_B: tl.constexpr, POST: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[row] = (x + post(norm_a(a) + norm_b(b))) * s, each norm and s optional, every value f32 (rows of at
+    most BLOCK contiguous values: one chunk), in the order and with the arithmetic of the unfused ops."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(a_ptr + row * a_stride + cols, mask=mask, other=0.0)
+    if NORM_A:
+        h = _normed(h, wa_ptr, cols, mask, n_cols, wa_stride, eps_a)
+    if HAS_B:
+        b = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0)
+        if NORM_B:
+            b = _normed(b, wb_ptr, cols, mask, n_cols, wb_stride, eps_b)
+        h = h + b
+    if POST:
+        h = _normed(h, wp_ptr, cols, mask, n_cols, wp_stride, eps_p)
+    y = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0) + h
+    if SCALE:
+        y = y * tl.load(s_ptr + cols * s_stride, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 
 
 @triton.jit
@@ -166,6 +203,47 @@ def add_rms_norm_rows(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_norm(x, h, weight, eps, total, out)
     return total, out
+
+
+def normed_residual_fits(x: torch.Tensor, rows: list[torch.Tensor], vectors: list[torch.Tensor]) -> bool:
+    """Whether `normed_residual_rows` takes these: x and the rows f32 of one shape, of at most one chunk, with
+    contiguous last dimensions; the weights and scale on x's device, [D] or scalars."""
+    n = x.shape[-1]
+    return (
+        0 < n <= _MAX_BLOCK
+        and all(r.dtype == torch.float32 and r.shape == x.shape and r.stride(-1) == 1 for r in (x, *rows))
+        and all(t.device == x.device for t in (*rows, *vectors))
+        and all(v.numel() in (1, n) and v.is_floating_point() for v in vectors)
+    )
+
+
+def normed_residual_rows(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    a_norm: tuple[torch.Tensor, float] | None,
+    b: torch.Tensor | None = None,
+    b_norm: tuple[torch.Tensor, float] | None = None,
+    post_norm: tuple[torch.Tensor, float] | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(x + post(norm_a(a) + norm_b(b))) * scale in one kernel (each norm a (weight, eps), each part optional):
+    f32 rows of one shape, the weights and scale [D] or scalar tensors (see `normed_residual_fits`); f32 out."""
+    n = x.shape[-1]
+    rows = [t.reshape(-1, n) for t in (x, a, a if b is None else b)]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    unused = (x, 0.0)  # any pointer where a part is absent
+    wa, eps_a = a_norm or unused
+    wb, eps_b = b_norm or unused
+    wp, eps_p = post_norm or unused
+    s = x if scale is None else scale
+    block = triton.next_power_of_2(n)
+    _normed_residual[(rows[0].shape[0],)](
+        rows[0], rows[1], wa, rows[2], wb, wp, s, out, n, *(r.stride(0) for r in rows),
+        *(_w_stride(w) for w in (wa, wb, wp, s)), eps_a, eps_b, eps_p,
+        NORM_A=a_norm is not None, HAS_B=b is not None, NORM_B=b_norm is not None, POST=post_norm is not None,
+        SCALE=scale is not None, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+    )  # fmt: skip
+    return out
 
 
 def _launch_norm(

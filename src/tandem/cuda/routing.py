@@ -1,6 +1,7 @@
 """MoE routing on the GPU: router logits in one kernel (`router_logits`), logits [T, E] to expert ids and
 mixing weights [T, A] in one kernel (`route`), and a step's routing split between the experts cached in VRAM and
-the rest in one kernel (`split_route`, layers/moe.py `split_routing`).
+the rest in one kernel (`split_route`, layers/moe.py `split_routing`), and the selected experts' outputs mixed by
+the routing weights in one kernel (`mix_experts`).
 
 The routing's torch form (float cast, softmax, topk, sum, divide: ~6 kernels, topk alone ~5 us) becomes one launch of
 one program per token, a warp holding the whole row (E up to a few hundred). Two orders of work:
@@ -197,3 +198,54 @@ def split_route(
             A=a, AP=triton.next_power_of_2(a), PCIE=pcie_slots, num_warps=1,
         )  # fmt: skip
     return (res_ids, res_w), (cpu_ids, cpu_w), cpu_n, ((pcie_ids, pcie_w) if pcie_slots else None)
+
+
+@triton.jit
+def _mix(
+    out_ptr, ids_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, E, D, A: tl.constexpr, SCALE: tl.constexpr,
+    BIAS: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """y[t, d] = sum over a of (out[t, a, d] * scale[e] + bias[e, d]) * w[t, a], e = ids[t, a] (a negative id
+    indexes from the end, as torch's indexing does); f32, one token and BD columns per program."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = d < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for a in tl.static_range(A):
+        v = tl.load(out_ptr + (t * A + a) * D + d, mask=ok, other=0.0)
+        if SCALE or BIAS:
+            e = tl.load(ids_ptr + t * A + a).to(tl.int64)
+            e = tl.where(e < 0, e + E, e)
+            if SCALE:
+                v = v * tl.load(scale_ptr + e)
+            if BIAS:
+                v = v + tl.load(bias_ptr + e * D + d, mask=ok, other=0.0)
+        acc += v * tl.load(w_ptr + t * A + a)
+    tl.store(y_ptr + t * D + d, acc, mask=ok)
+
+
+def mix_experts(
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[T, D] f32: each token's expert rows out [T, A, D] (f32), each times its expert's scale [E] and plus its
+    bias [E, D] (both optional, f32), mixed by weights [T, A] (f32); ids [T, A] (any integer type). One launch for
+    torch's index, multiply, add, cast, multiply and sum."""
+    t, a, d = out.shape
+    vectors = [v for v in (scale, bias) if v is not None]
+    assert out.dtype == weights.dtype == torch.float32 and all(v.dtype == torch.float32 for v in vectors)
+    out, ids, weights = out.contiguous(), ids.contiguous(), weights.contiguous()
+    scale = scale.contiguous() if scale is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    n_experts = (scale if scale is not None else bias).shape[0] if vectors else 1
+    y = torch.empty(t, d, dtype=torch.float32, device=out.device)
+    if t:
+        bd = min(1024, triton.next_power_of_2(d))
+        _mix[(t, triton.cdiv(d, bd))](
+            out, ids, weights, out if scale is None else scale, out if bias is None else bias, y, n_experts, d, A=a,
+            SCALE=scale is not None, BIAS=bias is not None, BD=bd, num_warps=max(1, min(4, bd // 256)),
+        )  # fmt: skip
+    return y

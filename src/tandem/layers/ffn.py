@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.layers.moe import Pending, RoutedExperts, Router, start_experts
-from tandem.layers.norm import rms_norm
+from tandem.layers.norm import Branch, add_normed, rms_norm
 
 FFN = Callable[[torch.Tensor], torch.Tensor]  # [T, D] -> [T, D]
 
@@ -75,10 +75,23 @@ class ParallelFFN:
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return add_normed(None, self.branches(x))
+
+    def branches(self, x: torch.Tensor) -> list[Branch]:
+        """Each branch's output with the output norm it still needs, for the caller to sum (with its own post-norm
+        and residual add: one kernel on CUDA, `add_normed`). The experts start first: on the host they compute while
+        the GPU runs the dense branch."""
         if self.reduce is not None:
-            return self._reduced(x, self.reduce)
-        sparse = self.sparse.start(x)
-        return self.dense(x) + sparse()
+            return [(self._reduced(x, self.reduce), None)]
+        sparse = self.sparse.start_experts(x)
+        dense = self.dense
+        if isinstance(dense, NormedFFN):
+            d = dense.ffn(_maybe_norm(x, dense.pre_norm, dense.eps))
+            d_norm = None if dense.post_norm is None else (dense.post_norm, dense.eps)
+        else:
+            d, d_norm = dense(x), None
+        s_norm = None if self.sparse.post_norm is None else (self.sparse.post_norm, self.sparse.eps)
+        return [(d, d_norm), (sparse(), s_norm)]
 
     def _reduced(self, x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         dense = self.dense

@@ -337,12 +337,25 @@ class GLUExperts:
             gate = gate + self.gate_bias[ids]
         if self.up_bias is not None:
             up = up + self.up_bias[ids]
-        out = self.down(self.glu(gate, up), ids)  # [T, A, D]
-        if self.down_scale is not None:
-            out = out * self.down_scale[ids].unsqueeze(-1)
-        if self.down_bias is not None:
-            out = out + self.down_bias[ids]
-        return (out * routing.weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)  # [T, D]
+        return mix_expert_rows(self.down(self.glu(gate, up), ids), routing, self.down_scale, self.down_bias)
+
+
+def mix_expert_rows(
+    out: torch.Tensor, routing: Routing, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[T, D]: the selected experts' rows out [T, A, D], each times its expert's scale [E] plus its bias [E, D]
+    (both optional), mixed by the routing weights. One kernel on CUDA for float32 operands."""
+    ids, weights = routing.ids, routing.weights
+    vectors = [v for v in (scale, bias) if v is not None]
+    if out.is_cuda and all(t.dtype == torch.float32 and t.is_cuda for t in (out, weights, *vectors)):
+        from tandem.cuda.routing import mix_experts
+
+        return mix_experts(out, ids, weights, scale, bias)
+    if scale is not None:
+        out = out * scale[ids].unsqueeze(-1)
+    if bias is not None:
+        out = out + bias[ids]
+    return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
 @functools.cache

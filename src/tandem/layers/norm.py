@@ -44,3 +44,36 @@ def add_rms_norm(
         return add_rms_norm_rows(x, h, weight, eps)
     total = x + h
     return total, rms_norm(total, weight, eps)
+
+
+Norm = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
+Branch = tuple[torch.Tensor, Norm | None]  # a branch's output and the norm it still needs
+
+
+def add_normed(
+    x: torch.Tensor | None, branches: list[Branch], post_norm: Norm | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(x + post_norm(sum of the branches, each normed)) * scale; x None: the normed sum alone (no scale).
+
+    A block's tail after its mixer or its FFN (Gemma's sandwich norms, Gemma 4's two FFN branches and layer scalar).
+    On CUDA, with float32 rows of one shape and at most two branches, one Triton kernel with the ops' own order and
+    float32 arithmetic; elsewhere the ops."""
+    if x is not None and x.is_cuda and 1 <= len(branches) <= 2:
+        from tandem.cuda.norm_rope import normed_residual_fits, normed_residual_rows
+
+        norms = [n for _, n in branches] + [post_norm]
+        vectors = [w for w, _ in filter(None, norms)] + ([scale] if scale is not None else [])
+        if normed_residual_fits(x, [h for h, _ in branches], vectors):
+            (a, a_norm), (b, b_norm) = branches[0], (branches[1] if len(branches) == 2 else (None, None))
+            return normed_residual_rows(x, a, a_norm, b, b_norm, post_norm, scale)
+    h = None
+    for out, norm in branches:
+        out = out if norm is None else rms_norm(out, *norm)
+        h = out if h is None else h + out
+    assert h is not None, "add_normed needs a branch"
+    if post_norm is not None:
+        h = rms_norm(h, *post_norm)
+    if x is None:
+        return h
+    x = x + h
+    return x if scale is None else x * scale

@@ -16,7 +16,7 @@ from tandem.layers.attention import Attention, AttentionShape
 from tandem.layers.ffn import ParallelFFN
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import GLUExperts, MoE, SoftmaxTopKRouter
-from tandem.layers.norm import add_rms_norm, rms_norm
+from tandem.layers.norm import add_normed, add_rms_norm, rms_norm
 from tandem.layers.parallel import Reduce
 from tandem.layers.rope import Rope, RopeSpec
 from tandem.models.config import LayerSpec, ModelConfig
@@ -65,20 +65,20 @@ class Block:
         h = self.mixer(rms_norm(x, self.mixer_norm, self.eps), batch, pool)
         if self.mixer_reduce is not None:
             h = self.mixer_reduce(h)
-        if self.post_mixer_norm is not None:
-            h = rms_norm(h, self.post_mixer_norm, self.eps)
-        if self.ffn_norm is None:
-            x = x + h
-            h = self.ffn(x)
+        post_mixer = None if self.post_mixer_norm is None else (self.post_mixer_norm, self.eps)
+        if self.ffn_norm is None:  # the FFN norms the residual stream itself
+            x = add_normed(x, [(h, post_mixer)])
+            branches = self.ffn.branches(x) if isinstance(self.ffn, ParallelFFN) else [(self.ffn(x), None)]
         else:  # one kernel on CUDA for the residual add and the norm
+            if post_mixer is not None:
+                h = rms_norm(h, *post_mixer)
             x, normed = add_rms_norm(x, h, self.ffn_norm, self.eps)
-            h = self.ffn(normed)
+            branches = [(self.ffn(normed), None)]
         if self.ffn_reduce is not None:
-            h = self.ffn_reduce(h)
-        if self.post_ffn_norm is not None:
-            h = rms_norm(h, self.post_ffn_norm, self.eps)
-        x = x + h
-        return x if self.out_scale is None else x * self.out_scale
+            branches = [(self.ffn_reduce(add_normed(None, branches)), None)]
+        post_ffn = None if self.post_ffn_norm is None else (self.post_ffn_norm, self.eps)
+        # the branches' norms, their sum, the post-norm, the residual add and the scale: one kernel on CUDA
+        return add_normed(x, branches, post_ffn, self.out_scale)
 
 
 class BlockBuilder(Protocol):
