@@ -13,6 +13,7 @@ layers' linears and blocks, so that the model's own code runs unchanged.
     python scripts/compare_activations_llamacpp.py --prompt "def fibonacci(n):" [--extra 6] [--tol 0]
     python scripts/compare_activations_llamacpp.py --ids 2,818,5279 --prefill 2 --layers 0,1
     python scripts/compare_activations_llamacpp.py --save-ops tests/fixtures/gemma3_270m_llamacpp_ops.npz
+    (on an AVX2 CPU without AVX-512: --save-ops tests/fixtures/gemma3_270m_llamacpp_avx2_ops.npz)
 
 --extra N appends llama.cpp's first N greedy tokens (decoded one by one), so the compared step is a
 decode step with a KV cache, as in generation. Prints, per op and layer, max |tandem - llama.cpp| and

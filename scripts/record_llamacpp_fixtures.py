@@ -4,7 +4,8 @@
 Build the peer first:  scripts/build_llamacpp.sh   (CPU build into $HOME/.cache/tandem/peers/llama_cpp_cpu)
 Then:                  python scripts/record_llamacpp_fixtures.py [--model PATH] [--lib DIR] [--out PATH]
 
-Writes tests/fixtures/gemma3_270m_llamacpp.json with
+Writes tests/fixtures/gemma3_270m_llamacpp.json (recorded on an AVX-512 VNNI CPU; on an AVX2 CPU without AVX-512 pass
+--out tests/fixtures/gemma3_270m_llamacpp_avx2.json: tests/test_real_gemma3.py reads the set of the CPU it runs on) with
   tokenize: [{text, add_special, ids}]          llm.tokenize(text.encode(), add_bos=add_special, special=True)
   greedy:   [{prompt, prompt_ids, tokens, text}] BOS + prompt, then 32 argmax steps through the low-level
             llm.eval + llama_get_logits_ith(ctx, -1) (no sampler, no repeat penalty, no stop on EOS)

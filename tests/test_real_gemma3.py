@@ -1,16 +1,18 @@
 """The real Gemma 3 270M Q4_K_M against llama.cpp's recorded greedy tokens and intermediate tensors.
 
 The fixtures are recorded from llama.cpp's CPU build (llama-cpp-python 0.3.36, defaults: f16 KV cache, no
-flash attention) on a CPU with AVX-512 VNNI: tokens and logits by scripts/record_llamacpp_fixtures.py, the
-op-level tensors by scripts/compare_activations_llamacpp.py --save-ops.
+flash attention) on two CPUs, each its own set: one with AVX-512 VNNI (`gemma3_270m_llamacpp.json`, `_ops.npz`) and
+an AVX2 one without AVX-512 (AMD EPYC Zen 3: the `_avx2` files); tokens and logits by
+scripts/record_llamacpp_fixtures.py, the op-level tensors by scripts/compare_activations_llamacpp.py --save-ops.
 
 Every op tandem computes itself on the CPU (RMS norm, rope, attention with the f16 cache, GEGLU) gives
 llama.cpp's float32 results bit for bit (test_ops_match_llamacpp_bit_for_bit), and the quantized products
 are llama.cpp's too: the Q4_K weights are repacked for ggml's interleaved kernels and the Q6_K products
 over 8 rows or more follow llama.cpp's tiled kernel (tandem/quant/ggml_weights.py, ggml_tiled.py). So every
-prompt matches for all its tokens and the last-position logits are llama.cpp's exactly -- on a CPU like
-the recording one: elsewhere llama.cpp itself runs other kernel variants (AVX2 instead of AVX-512 for the
-repacked Q4_K products), whose last bits the fixture does not hold.
+prompt matches for all its tokens and the last-position logits are llama.cpp's exactly -- against the set
+recorded on a CPU of this one's kind: llama.cpp itself runs other kernel variants on each (AVX2 or AVX-512
+repacked Q4_K products, 8- or 16-float attention sums), whose last bits differ. Other CPUs run the tests that
+hold on any of them.
 """
 
 from __future__ import annotations
@@ -32,13 +34,25 @@ from tandem.layers.linear import GGMLLinear
 from tandem.layers.norm import rms_norm
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FIXTURE = FIXTURES / "gemma3_270m_llamacpp.json"
-OPS = FIXTURES / "gemma3_270m_llamacpp_ops.npz"
+
+
+def _recorded_kind() -> str | None:
+    """The suffix of the fixture set recorded on a CPU of this one's kind, None if there is none."""
+    if ggml.ggml_cpu_has_avx512() and ggml.ggml_cpu_has_avx512_vnni():
+        return ""
+    if ggml.ggml_cpu_has_avx2() and not ggml.ggml_cpu_has_avx512():
+        return "_avx2"
+    return None
+
+
+RECORDED = _recorded_kind()
+FIXTURE = FIXTURES / f"gemma3_270m_llamacpp{RECORDED or ''}.json"
+OPS = FIXTURES / f"gemma3_270m_llamacpp{RECORDED or ''}_ops.npz"
 
 recording_cpu = pytest.mark.skipif(
-    not (ggml.ggml_cpu_has_avx512() and ggml.ggml_cpu_has_avx512_vnni()),
-    reason="the fixture holds the last bits of llama.cpp's AVX-512 VNNI build (its AVX-512 repacked Q4_K "
-    "kernels); on this CPU llama.cpp and tandem's ggml run other kernel variants",
+    RECORDED is None,
+    reason="the fixtures hold the last bits of llama.cpp's AVX-512 VNNI and AVX2 builds; this CPU runs other "
+    "kernel variants of both engines",
 )
 
 
@@ -150,8 +164,8 @@ def test_ops_match_llamacpp_bit_for_bit(gemma: tandem.LLM) -> None:
 @recording_cpu
 def test_attention_matches_llamacpp_bit_for_bit(gemma: tandem.LLM) -> None:
     """Attention with an f16 cache while prefilling (7 rows) and while decoding (1 row at position 12, whose
-    query has f16-subnormal elements once scaled): llama.cpp's AVX-512 build's outputs exactly. Its sums run in
-    16-float lanes; on an AVX2 CPU both engines run 8-float ones (test_ggml_cpu's emulation tests check those)."""
+    query has f16-subnormal elements once scaled): the outputs of llama.cpp's build on this kind of CPU exactly
+    (its sums run in 16-float lanes with AVX-512, in 8-float ones with AVX2, and so do tandem's)."""
     ops = _ops()
     blocks = gemma.model.blocks
     prefill = torch.arange(ops["ids"].numel())
