@@ -99,9 +99,11 @@
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
 #     by stage, and torch's segments by the line that made them)
 #   HOT="static uniform drift" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
-#     qwen3-30b-a3b models with skewed routing, its models synthesised while llama.cpp builds; HOT_BUDGET=10GiB
-#     HOT_CACHE=8GiB HOT_LAYERS=24 HOT_STEP_S=150 HOT_REPS=3, see the script). MODELS="qwen3-30b-a3b" MATRIX=none
-#     runs it alone
+#     qwen3-30b-a3b models with skewed routing, its models synthesised and their statistics recorded while
+#     llama.cpp builds; HOT_BUDGET=10GiB HOT_CACHE=8GiB HOT_LAYERS=24 HOT_STEP_S=150 HOT_REPS=3, each run bounded by
+#     DEADLINE_S, see the script; its reports come back in $OUT/hot_reports.tar.gz). MODELS="qwen3-30b-a3b"
+#     MATRIX=none runs it alone. A second call on the still-warm machine (the same command within ~30 s) finds the
+#     build, the models (KEEP_MODELS=1 keeps them) and the steps done, and runs only what is left
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
 #     its decode-step breakdown in the log and the GPU kernels of one decode step, in order, in $OUT/trace.txt;
 #     PROFILE_FLAGS=--memory: instead, the CPU experts' speed with their bytes in different memory)
@@ -232,11 +234,6 @@ if [[ ${#files[@]} -eq 0 ]]; then
     synth "$m" >/dev/null && { say "synth $m: $(du -h "$MODEL_DIR/$m.gguf" | cut -f1)"; early+=("$MODEL_DIR/$m.gguf"); }
   done
 fi
-hot_synth_pid=""
-if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]]; then  # the skewed models, made beside the build
-  PY="$PY" MODEL_DIR="$MODEL_DIR" THREADS="$THREADS" bash bench/hot_experts.sh synth $HOT &
-  hot_synth_pid=$!
-fi
 # Prewarm (untimed): Triton compiles and autotunes per kernel and shape, not per layer, so a copy of each
 # preset with one layer of each kind fills the cache for the whole model: 6 layers hold Gemma 4's global layer
 # (every 6th; with 2 layers its head-512 kernels were tuned in the timed warm-up, 16.8 s at 12:40) and
@@ -264,6 +261,12 @@ if [[ "${PREWARM:-1}" == 1 && "$DEVICE" != cpu && ${#files[@]} -eq 0 ]]; then
   say "prewarm: ${#models[@]} models (6 layers each), one after the other"
 fi
 [[ -n "$prewarm_pid" ]] && wait "$prewarm_pid" && say "prewarm done"
+hot_synth_pid=""
+if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]]; then  # the skewed models and their statistics, beside the build
+  # after the prewarm: recording runs on the GPU, and autotuning beside another process's kernels would time both
+  PY="$PY" MODEL_DIR="$MODEL_DIR" THREADS="$THREADS" bash bench/hot_experts.sh synth $HOT &
+  hot_synth_pid=$!
+fi
 
 if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp builds (nothing is timed then)
   gpu_tests=(tests)  # every module: GPU tests live beside their CPU twins (e.g. tests/test_fidelity.py)
@@ -343,7 +346,9 @@ fi
 
 if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]]; then  # before the matrix; its steps bound themselves
   [[ -n "$hot_synth_pid" ]] && wait "$hot_synth_pid"
-  PY="$PY" MODEL_DIR="$MODEL_DIR" PEER_LIB="$PEER_LIB" THREADS="$THREADS" bash bench/hot_experts.sh $HOT
+  HOT_DEADLINE="${HOT_DEADLINE:-$(( t0 + DEADLINE_S ))}" PY="$PY" MODEL_DIR="$MODEL_DIR" PEER_LIB="$PEER_LIB" \
+    THREADS="$THREADS" bash bench/hot_experts.sh $HOT
+  tar -C /tmp -czf "$OUT/hot_reports.tar.gz" hot 2>/dev/null  # every step's report and output, this call's and earlier
 fi
 
 if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # quiet machine: nothing else runs
@@ -483,7 +488,7 @@ for k in "${!targets[@]}"; do
     say "AB $name $variant: exit $?"
     grep '^|' "/tmp/ab_${name}_$variant/report.md" 2>/dev/null || tail -5 "/tmp/ab_${name}_$variant.out"
   done
-  [[ ${#files[@]} -eq 0 ]] && rm -f "$model"  # room for the next one
+  [[ ${#files[@]} -eq 0 && "${KEEP_MODELS:-0}" != 1 ]] && rm -f "$model"  # room for the next one
 done
 
 say "done, exit $status; reports under $OUT"

@@ -12,10 +12,14 @@
 #            --cpu-moe --moe-cache $HOT_CACHE, both placed by the statistics
 #   uniform  the plain (uniform-routing) model: --gpu-memory $HOT_BUDGET with statistics against without (whole
 #            layers) and --n-cpu-moe $HOT_LAYERS
-#   synth    make the models of the steps named after it (device_compare.sh runs it while llama.cpp builds)
+#   synth    make the models of the steps named after it and record their routing statistics (untimed, so
+#            device_compare.sh runs it while llama.cpp builds)
 #   drift    zipf:1.0,drift:4 model: tandem bench --drift (teacher-forced decode, the hot set moving every
 #            $HOT_DRIFT tokens) with a placement fixed from phase 0's statistics, and with --moe-cache-refresh
-# Every report lands in /tmp/hot/NAME (tables printed); the stats files beside the models.
+# Every report lands in /tmp/hot/NAME (tables printed); the stats files beside the models. A run that ended well
+# with its whole HOT_STEP_S (an earlier call on the same warm machine) is not run again, nor a recording whose
+# statistics file exists: a call cut short is resumed by the next. HOT_DEADLINE (seconds since the epoch) bounds
+# every run: one that would end after it is cut to fit, or skipped when under HOT_MIN_S (60) seconds are left.
 set -uo pipefail
 
 PY="${PY:-python3}"
@@ -31,6 +35,8 @@ REPS="${HOT_REPS:-3}"
 DRIFT="${HOT_DRIFT:-512}"
 DRIFT_TG="${HOT_DRIFT_TG:-2048}"
 REFRESH="${HOT_REFRESH:-16}"
+DEADLINE="${HOT_DEADLINE:-}"
+MIN_S="${HOT_MIN_S:-60}"
 work=/tmp/hot
 mkdir -p "$work" "$MODEL_DIR"
 t0=$(date +%s)
@@ -49,30 +55,57 @@ model() {  # model ROUTING -> the path, synthesised unless there (uniform: devic
   echo "$path"
 }
 
+limit() {  # limit -> seconds a run may take now: HOT_STEP_S, or less before HOT_DEADLINE; fails under HOT_MIN_S
+  local s=$STEP_S
+  [[ -n "$DEADLINE" ]] && (( DEADLINE - $(date +%s) < s )) && s=$(( DEADLINE - $(date +%s) ))
+  (( s >= MIN_S )) && echo "$s"
+}
+
 bench() {  # bench NAME FLAGS...: tandem bench with a report, bounded; prints the report's table
-  local name=$1
+  local name=$1 s
   shift
-  timeout -s TERM -k 10 "$STEP_S" "$PY" -m tandem.cli.main bench --device cuda -t "$THREADS" --pp 512 --tg 128 \
-    --reps "$REPS" --timeout "$((STEP_S - 15))" --budget "$((STEP_S - 15))" --report "$work/$name" "$@" \
-    >"$work/$name.out" 2>&1
-  say "$name: exit $? (tandem bench $*)"
+  if [[ -f "$work/$name.done" ]]; then
+    say "$name: done in an earlier call"
+  elif s=$(limit); then
+    timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench --device cuda -t "$THREADS" --pp 512 --tg 128 \
+      --reps "$REPS" --timeout "$((s - 15))" --budget "$((s - 15))" --report "$work/$name" "$@" \
+      >"$work/$name.out" 2>&1
+    local rc=$?
+    (( rc == 0 && s == STEP_S )) && touch "$work/$name.done"  # one cut short by the deadline runs again next call
+    say "$name: exit $rc in $s s at most (tandem bench $*)"
+  else
+    say "$name: no time left"
+    return
+  fi
   grep '^|' "$work/$name/report.md" 2>/dev/null || tail -5 "$work/$name.out"
 }
 
-record() {  # record MODEL STATS FLAGS...: an untimed run that counts the routing into STATS
-  local m=$1 stats=$2
+record() {  # record MODEL STATS FLAGS...: an untimed run that counts the routing into STATS (unless it exists)
+  local m=$1 stats=$2 s
   shift 2
-  rm -f "$stats"
-  timeout -s TERM -k 10 "$STEP_S" "$PY" -m tandem.cli.main bench -m "$m" --device cuda -t "$THREADS" --pp 512 \
-    --tg 256 --reps 1 --expert-stats "$stats" "$@" >"$stats.log" 2>&1
-  say "statistics recorded into $(basename "$stats"): exit $? ($*)"
+  [[ -s "$stats" ]] && { say "statistics $(basename "$stats"): recorded earlier"; return; }
+  s=$(limit) || { say "statistics $(basename "$stats"): no time left"; return; }
+  timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench -m "$m" --device cuda -t "$THREADS" "$@" \
+    --expert-stats "$stats.part" >"$stats.log" 2>&1
+  local rc=$?
+  (( rc == 0 )) && mv "$stats.part" "$stats"
+  say "statistics recorded into $(basename "$stats"): exit $rc ($*)"
 }
 
 declare -A routing_of=([static]=zipf:1.0 [uniform]=uniform [drift]=zipf:1.0,drift:4)
+statistics() {  # statistics STEP MODEL: the routing statistics that STEP's placements read, recorded once
+  case $1 in
+    static|uniform) record "$2" "$2.stats" --gpu-memory "$BUDGET" --pp 512 --tg 256 --reps 1 ;;
+    # phase 0 throughout (--drift >= --tg): the statistics of a placement fixed for the text's start
+    drift) record "$2" "$2.stats" --cpu-moe --moe-cache "$CACHE" --pp 128 --tg 512 --drift 512 --reps 1 ;;
+  esac
+}
+
 if [[ "${1:-}" == synth ]]; then
   shift
   for step in "$@"; do
-    [[ -n "${routing_of[$step]:-}" ]] && model "${routing_of[$step]}" >/dev/null && say "synth for $step: done"
+    [[ -n "${routing_of[$step]:-}" ]] || continue
+    m=$(model "${routing_of[$step]}") && say "synth for $step: done" && statistics "$step" "$m"
   done
   exit 0
 fi
@@ -82,7 +115,7 @@ for step in "$@"; do
     static)
       z=$(model "${routing_of[static]}") || continue
       say "static: $(basename "$z"), budget $BUDGET, cache $CACHE, llama.cpp's --n-cpu-moe $LAYERS"
-      record "$z" "$z.stats" --gpu-memory "$BUDGET"
+      statistics static "$z"
       bench zipf-layers -m "$z" --compare llamacpp --peer-lib "$PEER_LIB" --matrix "n-cpu-moe=$LAYERS,cpu-moe"
       bench zipf-budget -m "$z" --gpu-memory "$BUDGET" --expert-stats "$z.stats"
       bench zipf-cache -m "$z" --cpu-moe --moe-cache "$CACHE" --expert-stats "$z.stats"
@@ -91,28 +124,33 @@ for step in "$@"; do
     uniform)
       u=$(model "${routing_of[uniform]}") || continue
       say "uniform: $(basename "$u")"
-      record "$u" "$u.stats" --gpu-memory "$BUDGET"
+      statistics uniform "$u"
       bench uniform-stats -m "$u" --gpu-memory "$BUDGET" --expert-stats "$u.stats"
       bench uniform-layers -m "$u" --gpu-memory "$BUDGET"
       ;;
     drift)
       d=$(model "${routing_of[drift]}") || continue
       say "drift: $(basename "$d"), a new phase every $DRIFT tokens, $DRIFT_TG tokens"
-      # phase 0 throughout (--drift >= --tg): the statistics of a placement fixed for the text's start
-      rm -f "$d.stats"
-      timeout -s TERM -k 10 "$STEP_S" "$PY" -m tandem.cli.main bench -m "$d" --device cuda -t "$THREADS" \
-        --cpu-moe --moe-cache "$CACHE" --expert-stats "$d.stats" --pp 128 --tg 512 --drift 512 --reps 1 \
-        >"$d.stats.log" 2>&1
-      say "phase-0 statistics: exit $?"
+      statistics drift "$d"
       for mode in static refresh; do
-        flags=(--expert-stats "$d.stats")
-        [[ $mode == refresh ]] && flags+=(--moe-cache-refresh "$REFRESH")
-        cp "$d.stats" "$d.$mode.stats" 2>/dev/null && flags[1]="$d.$mode.stats"  # each run adds to its own copy
-        timeout -s TERM -k 10 "$STEP_S" "$PY" -m tandem.cli.main bench -m "$d" --device cuda -t "$THREADS" \
-          --cpu-moe --moe-cache "$CACHE" "${flags[@]}" --pp 128 --tg "$DRIFT_TG" --drift "$DRIFT" --reps 1 \
-          >"$work/drift-$mode.out" 2>&1
-        say "drift $mode: exit $? (--cpu-moe --moe-cache $CACHE ${flags[*]:2})"
-        grep -vE "Warning|warn\(" "$work/drift-$mode.out" | tail -40
+        out="$work/drift-$mode.out"
+        if grep -q "^DONE" "$out" 2>/dev/null; then
+          say "drift $mode: done in an earlier call"
+        elif s=$(limit); then
+          flags=(--expert-stats "$d.stats")
+          [[ $mode == refresh ]] && flags+=(--moe-cache-refresh "$REFRESH")
+          cp "$d.stats" "$d.$mode.stats" 2>/dev/null && flags[1]="$d.$mode.stats"  # each run adds to its own copy
+          timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench -m "$d" --device cuda -t "$THREADS" \
+            --cpu-moe --moe-cache "$CACHE" "${flags[@]}" --pp 128 --tg "$DRIFT_TG" --drift "$DRIFT" --reps 1 \
+            >"$out" 2>&1
+          rc=$?
+          (( rc == 0 && s == STEP_S )) && echo DONE >>"$out"
+          say "drift $mode: exit $rc in $s s at most (--cpu-moe --moe-cache $CACHE ${flags[*]:2})"
+        else
+          say "drift $mode: no time left"
+          continue
+        fi
+        grep -vE "Warning|warn\(|^DONE" "$out" | tail -40
       done
       ;;
     *) say "unknown step '$step' (static, uniform, drift)" ;;
