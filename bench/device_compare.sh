@@ -276,7 +276,8 @@ if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp build
   pytest_gpu=("$PY" -m pytest -m gpu -q -p no:cacheprovider -rA -o addopts="")
   workers="${GPU_TESTS_WORKERS:-1}"
   if (( workers > 1 )); then  # files spread over worker processes on the one GPU; the timed tests alone after
-    serial="overlap or side_by_side"  # they assert that work overlapped in time: another process's kernels skew it
+    # they assert that work overlapped in time, or what the driver counts: another process's kernels or memory skew it
+    serial="overlap or side_by_side or by_the_driver"
     timeout -k 10 "${GPU_TESTS_S:-420}" "${pytest_gpu[@]}" -n "$workers" --dist loadfile -k "not ($serial)" \
       "${gpu_tests[@]}" >"$OUT/pytest_gpu.log" 2>&1
     say "pytest -m gpu, $workers workers: exit $? ($(grep -E "passed|failed" "$OUT/pytest_gpu.log" | tail -1))"

@@ -83,13 +83,29 @@ bench() {  # bench NAME FLAGS...: tandem bench with a report, bounded; prints th
 record() {  # record MODEL STATS FLAGS...: an untimed run that counts the routing into STATS (unless it exists)
   local m=$1 stats=$2 s
   shift 2
-  [[ -s "$stats" ]] && { say "statistics $(basename "$stats"): recorded earlier"; return; }
+  [[ -s "$stats" ]] && { say "statistics $(basename "$stats"): recorded earlier"; summary "$stats"; return; }
   s=$(limit) || { say "statistics $(basename "$stats"): no time left"; return; }
   timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench -m "$m" --device cuda -t "$THREADS" "$@" \
     --expert-stats "$stats.part" >"$stats.log" 2>&1
   local rc=$?
   (( rc == 0 )) && mv "$stats.part" "$stats"
   say "statistics recorded into $(basename "$stats"): exit $rc ($*)"
+  summary "$stats"
+}
+
+summary() {  # summary STATS: per layer, the picks counted and the share of the 10 % most picked experts
+  cp "$1" "$work/" 2>/dev/null
+  "$PY" - "$1" <<'PY'
+import json, sys
+import numpy as np
+c = np.asarray(json.load(open(sys.argv[1]))["counts"], dtype=float)
+picks = c.sum(1)
+top = max(1, c.shape[1] // 10)
+share = np.sort(c, 1)[:, ::-1][:, :top].sum(1) / np.maximum(picks, 1)
+print(f"  {c.shape[0]} layers: picks per layer {picks.min():.0f}..{picks.max():.0f}, layers with none "
+      f"{np.flatnonzero(picks == 0).tolist()}; the top {top} experts' share per layer {share.min():.2f}.."
+      f"{share.max():.2f} (uniform {top / c.shape[1]:.2f})")
+PY
 }
 
 declare -A routing_of=([static]=zipf:1.0 [uniform]=uniform [drift]=zipf:1.0,drift:4)

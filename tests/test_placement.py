@@ -13,6 +13,7 @@ from tandem.errors import PlacementError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement.plan import GPU_PROCESS_BYTES
 from tandem.placement.request import parse_size
 from tandem.runtime.devices import resolve_device
 
@@ -45,7 +46,8 @@ def test_cpu_moe_puts_every_expert_on_cpu_and_nothing_else(tiny_qwen3moe_gguf: t
     assert plan.cpu_expert_layers == tuple(range(read_config(f).n_layers))
     cpu_bytes = sum(f.tensors[n].n_bytes for n in [*experts, HOST_TABLE])
     assert plan.weight_bytes["cpu"] == cpu_bytes
-    assert plan.gpu_bytes() == plan.weight_bytes["cuda:0"] + plan.kv_bytes + plan.workspace_bytes + plan.staging_bytes
+    assert plan.gpu_bytes() == (plan.weight_bytes["cuda:0"] + plan.kv_bytes + plan.workspace_bytes + plan.staging_bytes
+                                + GPU_PROCESS_BYTES)  # fmt: skip
 
 
 def test_n_cpu_moe_takes_the_first_layers(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
@@ -164,8 +166,10 @@ def test_inspect_is_a_dry_run_of_a_gpu_plan(
     assert plan["request"]["cpu_moe"] and plan["request"]["device"] == "cuda:0"
     devices = {t["name"]: t["device"] for t in out["tensors"]}
     assert devices["blk.0.ffn_down_exps.weight"] == "cpu" and devices["blk.0.attn_q.weight"] == "cuda:0"
+    assert plan["process_bytes"] == GPU_PROCESS_BYTES
     assert plan["expected_gpu_bytes"] == (
         plan["weight_bytes"]["cuda:0"] + plan["kv_bytes"] + plan["workspace_bytes"] + plan["staging_bytes"]
+        + plan["process_bytes"]
     )
     assert main(["inspect", "-m", path, "--device", "cuda", "--n-cpu-moe", "1", "--tensors"]) == 0
     text = capsys.readouterr().out

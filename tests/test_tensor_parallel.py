@@ -168,7 +168,8 @@ def test_inspect_shows_each_rank(tiny_qwen3moe_gguf: tuple[Path, Path], capsys: 
         gpu = f"cuda:{r['rank']}"
         assert r["device"] == gpu
         assert r["expected_gpu_bytes"] == (r["weight_bytes"][gpu] + r["kv_bytes"] + r["workspace_bytes"]
-                                           + r["staging_bytes"] + r["expert_cache"]["bytes"])  # fmt: skip
+                                           + r["staging_bytes"] + r["expert_cache"]["bytes"]
+                                           + r["process_bytes"])  # fmt: skip
         experts = r["tensors"]["blk.0.ffn_up_exps.weight"]
         assert experts["device"] == "cpu" and experts["split"] == f"experts {4 * r['rank']}..{4 * r['rank'] + 3}"
         assert r["tensors"]["blk.0.attn_q.weight"]["device"] == gpu

@@ -331,6 +331,7 @@ def _print_inspect(summary: dict, show_tensors: bool) -> None:
         if plan["expert_cache"]["bytes"]:
             n = sum(plan["expert_cache"]["experts_per_layer"].values())
             vram.add_row(f"expert cache ({n} experts)", _mib(plan["expert_cache"]["bytes"]))
+        vram.add_row("CUDA context, modules, allocator", _mib(plan["process_bytes"]))
         vram.add_row("total", _mib(plan["expected_gpu_bytes"]))
         console.print(vram)
     if plan["cpu_expert_layers"]:

@@ -70,8 +70,9 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
         "--gpu-memory",
         default=None,
         metavar="BUDGET",
-        help="VRAM budget (e.g. 24GiB): the non-expert weights, KV cache and workspace, then as many experts as fit "
-        "(whole layers or single experts, by --expert-stats)",
+        help="VRAM budget (e.g. 24GiB) as the driver counts it (the CUDA context's 1.25 GiB included): the non-expert "
+        "weights, KV cache and workspace, then as many experts as fit (whole layers or single experts, by "
+        "--expert-stats)",
     )
     p.add_argument(
         "--moe-cache",

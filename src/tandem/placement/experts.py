@@ -92,15 +92,36 @@ def popularity_table(
     counts: np.ndarray | None, layers: Sequence[LayerExperts], n_active: int
 ) -> dict[int, np.ndarray]:
     """Per layer, each expert's expected picks per token (summing to n_active): from `counts` [n_layers, E] where
-    the layer has any, else uniform."""
+    the layer has any, shrunk towards uniform by how much of their spread sampling alone explains
+    (`shrunk_shares`), else uniform."""
     out = {}
     for c in layers:
         row = None if counts is None or c.layer >= len(counts) else np.asarray(counts[c.layer], dtype=np.float64)
         if row is None or row.shape != (c.n_experts,) or row.sum() <= 0:
             out[c.layer] = np.full(c.n_experts, n_active / c.n_experts)
         else:
-            out[c.layer] = row / row.sum() * n_active
+            out[c.layer] = shrunk_shares(row, n_active) * n_active
     return out
+
+
+def shrunk_shares(counts: np.ndarray, n_active: int) -> np.ndarray:
+    """Each expert's share of a layer's picks [E] (summing to 1), estimated from its pick counts: the observed
+    shares pulled towards uniform by the part of their spread that sampling explains (James-Stein). A token picks
+    an expert at most once, so under uniform routing an expert's count over n tokens has variance
+    n (A/E)(1 - A/E), and the counts' squared deviations from their mean sum to N (1 - A/E) in expectation
+    (N = n A picks). Observed shares keep the fraction of their spread beyond that: all of it for a skewed router,
+    none for a uniform one, whose few hundred tokens' counts would otherwise make some experts look hot and
+    displace whole layers (which also save the host round trip) with scattered single experts."""
+    c = np.asarray(counts, dtype=np.float64)
+    e = c.size
+    total = float(c.sum())
+    uniform = np.full(e, 1.0 / e)
+    if total <= 0:
+        return uniform
+    spread = float(((c - total / e) ** 2).sum())
+    noise = total * (1.0 - min(n_active, e) / e)
+    keep = max(0.0, 1.0 - noise / spread) if spread > 0 else 0.0
+    return uniform + keep * (c / total - uniform)
 
 
 def _cost(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], full: set[int],

@@ -43,6 +43,14 @@ class RuntimeShape:
                 raise TandemError(f"{name} must be positive, got {value}")
 
 
+# What the driver counts for a process on a GPU beyond the tensors the plan places: the CUDA context and its
+# kernels' modules, library handles, and the blocks torch's caching allocator holds but no tensor uses (a process
+# that tunes a Triton kernel also takes a 256 MiB buffer for it). Measured on the H200 (CUDA 13, torch 2.11): the
+# driver's peak 930-1,035 MiB above torch's peak allocation in benchmark runs (docs/PERFORMANCE.md, session 23).
+# --gpu-memory is a budget for what the driver shows, so the plan counts it.
+GPU_PROCESS_BYTES = 1280 << 20
+
+
 @dataclass(frozen=True)
 class PlacementPlan:
     """tensor name -> device ("cpu" or "cuda:N"), with the memory it implies per device."""
@@ -58,6 +66,7 @@ class PlacementPlan:
     # Experts of CPU layers also kept in VRAM (--moe-cache, --gpu-memory): their tensors stay "cpu" above, and
     # only these experts' rows are uploaded (weights/loader.py).
     expert_cache: ExpertCache = field(default_factory=ExpertCache)
+    process_bytes: int = 0  # the process's own VRAM on the compute device (GPU_PROCESS_BYTES; 0 on the CPU)
 
     def device_of(self, name: str) -> str:
         return self.devices[name]
@@ -67,14 +76,15 @@ class PlacementPlan:
         return self.request.device
 
     def gpu_bytes(self, device: str | None = None) -> int:
-        """Expected VRAM on `device` (default: the compute device): weights + cached experts + KV + workspace +
-        staging."""
+        """Expected VRAM on `device` (default: the compute device), as the driver counts it: weights + cached
+        experts + KV + workspace + staging + the process's own (context, modules, allocator's spare blocks)."""
         device = device or self.compute_device
         if device == "cpu":
             return 0
         extra = 0
         if device == self.compute_device:
-            extra = self.kv_bytes + self.workspace_bytes + self.staging_bytes + self.expert_cache.bytes
+            extra = (self.kv_bytes + self.workspace_bytes + self.staging_bytes + self.expert_cache.bytes
+                     + self.process_bytes)  # fmt: skip
         return self.weight_bytes.get(device, 0) + extra
 
     def to_dict(self) -> dict[str, object]:
@@ -94,6 +104,7 @@ class PlacementPlan:
             "kv_bytes": self.kv_bytes,
             "workspace_bytes": self.workspace_bytes,
             "staging_bytes": self.staging_bytes,
+            "process_bytes": self.process_bytes,
             "expected_gpu_bytes": self.gpu_bytes() if self.compute_device != "cpu" else 0,
             "cpu_expert_layers": list(self.cpu_expert_layers),
             "expert_cache": self.expert_cache.to_dict(),
@@ -206,6 +217,7 @@ def plan_placement(
     on_gpu = req.device != "cpu"
     kv = kv_cache_bytes(cfg, shape) if on_gpu else 0
     work = workspace_bytes(cfg, shape) if on_gpu else 0
+    process = GPU_PROCESS_BYTES if on_gpu else 0
     notes: list[str] = []
     _check_whole_expert_layers(devices)
     cache = ExpertCache()
@@ -213,7 +225,8 @@ def plan_placement(
         devices, cache, note = _fill_moe_cache(f, cfg, req, devices, expert_counts, counts_label)
         notes.append(note)
     if req.gpu_memory is not None:
-        devices, more, note = _fit_budget(f, cfg, req, devices, kv + work + cache.bytes, expert_counts, counts_label)
+        devices, more, note = _fit_budget(f, cfg, req, devices, kv + work + process + cache.bytes, expert_counts,
+                                          counts_label)  # fmt: skip
         cache = cache.merged(more)
         notes.append(note)
     weight_bytes: dict[str, int] = {}
@@ -231,6 +244,7 @@ def plan_placement(
         cpu_expert_layers=tuple(cpu_layers),
         notes=tuple(notes),
         expert_cache=cache,
+        process_bytes=process,
     )
 
 
@@ -357,8 +371,9 @@ def _fit_budget(
     counts: np.ndarray | None = None, label: str = "",
 ) -> tuple[dict[str, str], ExpertCache, str]:  # fmt: skip
     """--gpu-memory: if everything planned on the GPU fits, keep it; else the experts of the layers the flags put
-    on the GPU go to host RAM, and the VRAM left after every other weight, the KV cache, the workspace and the
-    staging window is filled with whole layers' experts or single experts (placement/experts.py)."""
+    on the GPU go to host RAM, and the VRAM left after every other weight, the KV cache, the workspace, the
+    staging window and the process's own (`runtime_bytes` counts it) is filled with whole layers' experts or
+    single experts (placement/experts.py)."""
     budget = req.gpu_memory
     assert budget is not None
     gpu = req.device
@@ -375,7 +390,7 @@ def _fit_budget(
     need = gpu_total(base)
     if need > budget or not movable:
         raise PlacementError(
-            f"{flag} cannot hold even the non-expert weights, KV cache and workspace "
+            f"{flag} cannot hold even the non-expert weights, KV cache, workspace and the process's CUDA context "
             f"({need / 2**30:.2f} GiB); raise --gpu-memory, lower -c/--ctx-size, or use more GPUs"
         )
     assert cfg.moe is not None
