@@ -246,3 +246,45 @@ def test_online_replacement_swaps_in_the_hot_expert_and_stays_exact(
         for _ in range(6):  # nothing hotter outside: no more swaps
             refresher.between_steps()
         assert refresher.swaps == 1
+
+
+def test_online_replacement_swaps_several_per_window(
+    tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the text moves on, several outside experts are hotter than cached ones: up to MAX_SWAPS pairs swap in
+    one window (the first into the spare, the others into the slots their cold experts leave at once), and the
+    split still equals ggml alone while the copies are pending and after the flip."""
+    import dataclasses
+
+    from tandem.placement import ExpertCache
+    from tandem.weights.expert_cache import MAX_SWAPS, ExpertCacheRefresher
+
+    assert MAX_SWAPS >= 3
+    path = convert_hf(tiny_qwen3moe_gguf[0], tmp_path / "q8_0.gguf", "q8_0")
+    builds = record_builds(monkeypatch)
+    with tandem.LLM(path, device="cpu", n_ctx=32):
+        loader, layer, build = builds[1]
+        cache = ExpertCache({layer: (1, 4, 5)}, {layer: 1}, "", 1)
+        loader.plan = dataclasses.replace(loader.plan, expert_cache=cache)
+        infos = [i for n, i in loader.file.tensors.items() if expert_layer(n) == layer]
+        on_cpu = build(loader)
+        resident, slot_map = loader._cached_experts(layer, build, (1, 4, 5), infos, ggml_values=True)
+        slots = loader.cache_slots[-1]
+        assert slots.experts == [1, 4, 5, -1]
+        split = OffloadedExperts(on_cpu=on_cpu, streamed=None, stage_vectors=None, min_batch=32, resident=resident,
+                                 slot_map=slot_map)  # fmt: skip
+        split.host = _Host(split.host.fn, split.host.bind)  # type: ignore[assignment]
+        counts = RoutingCounts.zeros(2, 8, 2, torch.device("cpu"))
+        # outside 6, 2, 0 hot; cached 1, 5, 4 cold to lukewarm; 0 beats 4 by the margin, 3 beats nothing
+        counts.counts[layer] = torch.tensor([70, 3, 80, 1, 40, 10, 90, 0])
+        refresher = ExpertCacheRefresher([slots], counts, every=2)
+        gen = torch.Generator().manual_seed(13)
+        x = torch.randn(4, 128, generator=gen)
+        weights = torch.softmax(torch.randn(4, 2, generator=gen), -1)
+        r = Routing(torch.tensor([[6, 1], [4, 2], [0, 5], [3, 7]], dtype=torch.int32), weights)
+        for _ in range(4):  # read the counts, decide and copy, flip: the split stays exact at every boundary
+            refresher.between_steps()
+            assert _rel(split(x, r), on_cpu(x, r)) < 1e-5
+        assert refresher.swaps == 3 and sorted(slots.cached) == [0, 2, 6] and slots.experts.count(-1) == 1
+        assert all(slot_map[e].item() == slots.experts.index(e) for e in (0, 2, 6))
+        assert all(slot_map[e].item() == -1 for e in (1, 3, 4, 5, 7))

@@ -7,7 +7,9 @@ later step boundary, each layer's recent picks (a decaying sum over the windows)
 outside the cache is picked clearly more than the coldest one inside it, the outside one's rows are copied from
 the page-locked file mapping into the spare slot on a side stream. At the first step boundary after that copy is
 done, the slot map (read on the device by every step, the captured ones too) points the expert at the slot and
-the coldest expert at nothing; its slot is the next spare. No step waits for a copy, nothing but the slot map
+the coldest expert at nothing; its slot is the next spare. Up to MAX_SWAPS pairs (the next hottest outside, the
+next coldest inside) swap in one window: beyond the first, the cold expert leaves its slot at once (the CPU
+computes it meanwhile) and the hot one is copied into it. No step waits for a copy, nothing but the slot map
 changes under a captured step, and the VRAM stays what the plan counted (the spare is part of it).
 """
 
@@ -24,6 +26,9 @@ from tandem.layers.moe import RoutingCounts
 MARGIN = 1.25  # an outside expert replaces the coldest cached one when picked this much more often (and ...)
 MIN_GAIN = 2.0  # ... by at least this many picks of the decaying sum
 DECAY = 0.5  # weight of the previous windows in the decaying sum
+# Swaps per layer per window. When the text moves on, a layer's hot set changes by tens of experts; one swap per
+# window took 300+ tokens to follow it (device, docs/PERFORMANCE.md session 23).
+MAX_SWAPS = 4
 
 
 @dataclass(eq=False)
@@ -105,24 +110,33 @@ class ExpertCacheRefresher:
         self._last = counts
         self.recent = self.recent * DECAY + window
         for s in self.layers:
-            picks = self.recent[s.layer]
-            cached = s.cached
             if -1 not in s.experts:
                 continue
-            inside = set(cached)
-            outside = [e for e in np.argsort(-picks, kind="stable") if int(e) not in inside]
-            if not outside:
-                continue
-            hot = int(outside[0])
-            victim = min(range(len(s.experts)), key=lambda k: (s.experts[k] < 0, picks[s.experts[k]], k))
-            if s.experts[victim] < 0:  # a cache with nothing in it yet (all spare): fill the spare
-                victim = -1
-            coldest = 0.0 if victim < 0 else float(picks[s.experts[victim]])
-            if picks[hot] >= coldest * MARGIN and picks[hot] - coldest >= MIN_GAIN:
-                self._copy(s, hot, victim)
+            picks = self.recent[s.layer]
+            inside = set(s.cached)
+            outside = [int(e) for e in np.argsort(-picks, kind="stable") if int(e) not in inside]
+            # the cached experts' slots, coldest first; spares (a cache not filled yet) before any of them
+            victims = sorted(range(len(s.experts)), key=lambda k: (s.experts[k] >= 0, picks[s.experts[k]], k))
+            spare = victims.pop(0)  # the one spare slot kept free
+            for hot in outside[:MAX_SWAPS]:
+                if not victims:
+                    break
+                victim = victims.pop(0)
+                cold = s.experts[victim]
+                coldest = 0.0 if cold < 0 else float(picks[cold])
+                if picks[hot] < coldest * MARGIN or picks[hot] - coldest < MIN_GAIN:
+                    break
+                if spare >= 0:  # into the spare; the cold expert leaves at the flip, its slot the next spare
+                    self._copy(s, hot, spare, victim if cold >= 0 else -1)
+                    spare = -1
+                    continue
+                if cold >= 0:  # into the cold expert's slot, which it leaves now
+                    s.slot_map[cold] = -1
+                    s.experts[victim] = -1
+                self._copy(s, hot, victim, -1)
 
-    def _copy(self, s: CacheSlots, expert: int, victim: int) -> None:
-        spare = s.experts.index(-1)
+    def _copy(self, s: CacheSlots, expert: int, spare: int, victim: int) -> None:
+        """Copy `expert` into the empty slot `spare`; at the flip `victim`'s expert (a slot, or -1: none) leaves."""
         if self.copy_stream is None:
             s.copy_in(spare, expert)
             self._pending.append(_Swap(s, spare, expert, victim, None))
