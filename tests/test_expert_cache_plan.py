@@ -15,7 +15,7 @@ from tandem.errors import PlacementError, TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import ExpertStats, PlacementRequest, RuntimeShape, expert_layer, plan_placement
-from tandem.placement.experts import HOST_LAYER_COST, LayerExperts, select_experts, shrunk_shares
+from tandem.placement.experts import HOST_LAYER_COST, LayerExperts, estimated_shares, select_experts, shrunk_shares
 
 E, A = 8, 2  # the tiny Qwen3-MoE's experts per layer and per token
 
@@ -204,6 +204,78 @@ def test_expert_stats_file_round_trip_and_mismatch(
     path.write_text(json.dumps(doc))
     with pytest.raises(TandemError, match="counts of shape"):
         ExpertStats.open(path, f, cfg)
+
+
+def test_expert_stats_keep_their_runs_in_two_halves(q8_moe: Path, tmp_path: Path) -> None:
+    """Each run's picks go to the half with fewer; the halves are saved beside the total and read back; a file
+    without them (written before them) has all its picks in the first; halves that do not add up are an error."""
+    f = open_gguf(q8_moe)
+    cfg = read_config(f)
+    path = tmp_path / "stats.json"
+    runs = [np.full((2, E), k + 1) for k in range(3)]
+    for run in runs:
+        stats = ExpertStats.open(path, f, cfg)
+        stats.add(run)
+        stats.save()
+    back = ExpertStats.open(path, f, cfg)
+    assert back.halves is not None
+    assert np.array_equal(back.halves[0], runs[0] + runs[2]) and np.array_equal(back.halves[1], runs[1])
+    assert np.array_equal(back.counts, sum(runs))
+    assert back.placement_counts()["expert_counts"] is back.halves
+    doc = json.loads(path.read_text())
+    del doc["halves"]
+    path.write_text(json.dumps(doc))
+    old = ExpertStats.open(path, f, cfg)
+    assert old.halves is not None and np.array_equal(old.halves[0], old.counts) and not old.halves[1].any()
+    doc["halves"] = [doc["counts"], doc["counts"]]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TandemError, match='"halves" must be two non-negative tables that add up to "counts"'):
+        ExpertStats.open(path, f, cfg)
+
+
+def _runs(rng: np.random.Generator, n_runs: int, lasting: np.ndarray, own: float, tokens: int = 768) -> np.ndarray:
+    """Pick counts [n_runs, E] of runs of `tokens` tokens each picking 8 distinct of E experts by popularity:
+    `lasting` [E] the router's, scaled per run by a hot set of the run's own text (log-normal, spread `own`)."""
+    counts = np.zeros((n_runs, lasting.size))
+    for k in range(n_runs):
+        p = lasting * np.exp(own * rng.standard_normal(lasting.size))
+        counts[k] = np.bincount(
+            np.concatenate([rng.choice(lasting.size, 8, replace=False, p=p / p.sum()) for _ in range(tokens)]),
+            minlength=lasting.size,
+        )
+    return counts
+
+
+def test_a_texts_own_hot_set_is_not_taken_for_the_routers() -> None:
+    """Runs whose texts each have a hot set of their own (a router with no lasting preference, as a random
+    model's) disagree between the halves: the estimate stays near uniform and the budget goes to whole layers,
+    as without statistics. A router's lasting skew shows in both halves and keeps its ranking and most of its
+    spread."""
+    rng = np.random.default_rng(3)
+    flat = np.full(128, 1.0)
+    zipf = 1.0 / np.arange(1, 129)
+    layers = _layers(6, e=128)
+    budget = 2 * 128 * 100 + 40 * 100
+    plain = select_experts(layers, budget, None, 8)
+    runs = np.stack([_runs(rng, 4, flat, own=1.2) for _ in layers], axis=1)  # [runs, layers, E]
+    halves = np.stack([runs[0::2].sum(0), runs[1::2].sum(0)])
+    total = halves.sum(0)
+    assert (np.sort(total, 1)[:, ::-1][:, :12].sum(1) / total.sum(1)).min() > 0.15  # skewed to the eye (uniform .09)
+    for layer in range(len(layers)):  # most of the runs' spread is taken for theirs alone
+        observed = np.abs(total[layer] / total[layer].sum() - 1 / 128).sum()
+        assert np.abs(estimated_shares(total[layer], 8, halves[:, layer]) - 1 / 128).sum() < 0.5 * observed
+    sel = select_experts(layers, budget, halves, 8)
+    assert len(sel.full) == len(plain.full) == 2, (sel.policy, sorted(sel.full))
+    assert len(select_experts(layers, budget, total, 8).full) < 2  # the sum alone is taken at its word
+    skewed = np.stack([_runs(rng, 4, zipf, own=0.5) for _ in range(2)], axis=1)
+    halves = np.stack([skewed[0::2].sum(0), skewed[1::2].sum(0)])
+    for layer in range(2):
+        c = halves[:, layer].sum(0)
+        shares = estimated_shares(c, 8, halves[:, layer])
+        assert np.array_equal(np.argsort(-shares, kind="stable"), np.argsort(-c, kind="stable"))
+        assert np.abs(shares - 1 / 128).sum() > 0.8 * np.abs(c / c.sum() - 1 / 128).sum()
+    assert np.array_equal(estimated_shares(total[0], 8, np.stack([total[0], 0 * total[0]])),
+                          shrunk_shares(total[0], 8))  # fmt: skip
 
 
 def test_refresh_keeps_a_spare_slot_per_cached_layer(q8_moe: Path) -> None:

@@ -236,10 +236,7 @@ class LLM:
 
     def _placement_stats(self) -> dict[str, Any]:
         """plan_placement's routing statistics: the file's counts, when it has any."""
-        stats = self.expert_stats
-        if stats is None or stats.total == 0:
-            return {}
-        return {"expert_counts": stats.counts, "counts_label": f"--expert-stats {stats.path} ({stats.total:,} picks)"}
+        return {} if self.expert_stats is None else self.expert_stats.placement_counts()
 
     def _new_routing_counts(self, device: str) -> RoutingCounts | None:
         """The device counter of every layer's expert picks, with --expert-stats."""

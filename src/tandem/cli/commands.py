@@ -233,8 +233,7 @@ def inspect(args: argparse.Namespace) -> int:
         n_seq=args.parallel,
     )  # fmt: skip
     stats = ExpertStats.open(args.expert_stats, f, cfg) if args.expert_stats else None
-    counts = {} if stats is None or not stats.total else {"expert_counts": stats.counts,
-                                                          "counts_label": f"--expert-stats {stats.path}"}  # fmt: skip
+    counts = {} if stats is None else stats.placement_counts()
     plan = plan_placement(f, cfg, request, shape, **counts)  # type: ignore[arg-type]
     check_pcie_experts(plan, f, cfg, args.pcie_experts)
     tp = None

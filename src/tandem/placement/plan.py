@@ -210,7 +210,8 @@ def plan_placement(
 ) -> PlacementPlan:
     """Compute and validate the plan. Raises PlacementError (one line, naming the flag) if impossible.
 
-    `expert_counts` [n_layers, n_experts] (routing statistics, `counts_label` naming them) decide which experts
+    `expert_counts` [n_layers, n_experts], or its two halves [2, n_layers, n_experts] (routing statistics,
+    `ExpertStats.halves`; `counts_label` naming them) decide which experts
     --moe-cache and --gpu-memory keep in VRAM; without them the choice is as for uniform routing."""
     shape = shape or RuntimeShape()
     devices, _ = _assign(f, req, cfg)

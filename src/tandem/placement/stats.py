@@ -2,9 +2,13 @@
 
 Counted on the GPU from every step's top-k (layers/moe.py `RoutingCounts`), added to what the file held at the
 start, and written back when the model closes; the next start places the hottest experts in VRAM from them
-(placement/plan.py). A file belongs to one model's routers: its fingerprint hashes the architecture, the expert
-counts and each router's name, shape, type and bytes (a sample of them), so the same model in another
-quantization matches (its routers are F32 in every llama.cpp mix) and another model does not.
+(placement/plan.py). The file keeps the runs' counts in two halves too (each run's go to the half with fewer
+picks), so that the placement can tell a router's lasting preferences, which both halves show, from a text's
+own hot set, which the next text does not share (placement/experts.py `estimated_shares`).
+
+A file belongs to one model's routers: its fingerprint hashes the architecture, the expert counts and each
+router's name, shape, type and bytes (a sample of them), so the same model in another quantization matches (its
+routers are F32 in every llama.cpp mix) and another model does not.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class ExpertStats:
     fingerprint: str
     model: str  # the model's name, for messages
     path: Path | None = None  # where they are loaded from and saved to
+    halves: np.ndarray | None = None  # [2, n_layers, n_experts], summing to counts (None: all in the first)
+
+    def __post_init__(self) -> None:
+        if self.halves is None:
+            self.halves = np.stack([self.counts, np.zeros_like(self.counts)])
 
     @classmethod
     def empty(cls, f: GGUFFile, cfg: ModelConfig, path: str | os.PathLike[str] | None = None) -> ExpertStats:
@@ -87,14 +96,35 @@ class ExpertStats:
         if counts.shape != stats.counts.shape or (counts < 0).any():
             raise TandemError(f"{flag}: counts of shape {counts.shape}, expected {stats.counts.shape}, non-negative")
         stats.counts = counts
+        stats.halves = np.stack([counts, np.zeros_like(counts)])
+        if "halves" in doc:  # files written before the halves have none: all their picks count as one half
+            try:
+                halves = np.asarray(doc["halves"], dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                raise TandemError(f"{flag}: \"halves\" is not a table of integers") from None
+            if halves.shape != (2, *counts.shape) or (halves < 0).any() or not np.array_equal(halves.sum(0), counts):
+                raise TandemError(f"{flag}: \"halves\" must be two non-negative tables that add up to \"counts\"")
+            stats.halves = halves
         return stats
+
+    def placement_counts(self) -> dict[str, object]:
+        """plan_placement's keyword arguments for these statistics: the halves and a label (none without picks)."""
+        if not self.total:
+            return {}
+        return {"expert_counts": self.halves, "counts_label": f"--expert-stats {self.path} ({self.total:,} picks)"}
 
     @property
     def total(self) -> int:
         return int(self.counts.sum())
 
     def add(self, counts: np.ndarray) -> None:
-        self.counts = self.counts + np.asarray(counts, dtype=np.int64)
+        """A run's picks: into the total, and into the half that holds fewer picks."""
+        counts = np.asarray(counts, dtype=np.int64)
+        assert self.halves is not None
+        self.counts = self.counts + counts
+        half = int(self.halves[1].sum() < self.halves[0].sum())
+        self.halves = self.halves.copy()
+        self.halves[half] += counts
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the statistics (atomically: a temporary file renamed over the old one)."""
@@ -110,6 +140,7 @@ class ExpertStats:
             "n_experts": int(self.counts.shape[1]),
             "picks": self.total,
             "counts": self.counts.tolist(),
+            "halves": None if self.halves is None else self.halves.tolist(),
         }
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:
