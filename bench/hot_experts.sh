@@ -111,9 +111,10 @@ PY
 declare -A routing_of=([static]=zipf:1.0 [uniform]=uniform [drift]=zipf:1.0,drift:4)
 statistics() {  # statistics STEP MODEL: the routing statistics that STEP's placements read, recorded once
   case $1 in
-    # five texts (the warm-up's and four repetitions'): a random text routes with a hot set of its own around the
-    # model's law (docs/synth.md), so one text's counts mislead the placement for the next
-    static|uniform) record "$2" "$2.stats" --gpu-memory "$BUDGET" --pp 512 --tg 256 --reps 4 ;;
+    # two runs (worker processes) of three texts each (a warm-up's and two repetitions'): a random text routes with a
+    # hot set of its own around the model's law (docs/synth.md), and the placement trusts what the file's two
+    # halves of runs agree on (placement/experts.py estimated_shares)
+    static|uniform) record "$2" "$2.stats" --gpu-memory "$BUDGET" --pp 512 --tg 256 --reps 4 --process-reps 2 ;;
     # phase 0 throughout (--drift >= --tg): the statistics of a placement fixed for the text's start
     drift) record "$2" "$2.stats" --cpu-moe --moe-cache "$CACHE" --pp 128 --tg 512 --drift 512 --reps 1 ;;
   esac

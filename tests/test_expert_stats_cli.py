@@ -33,7 +33,10 @@ def test_picks_are_counted_and_added_to_the_file(q8_moe: Path, tmp_path: Path) -
     assert np.asarray(first["counts"]).sum(axis=1).tolist() == [28, 28]
     with tandem.LLM(q8_moe, device="cpu", n_ctx=64, expert_stats=stats) as llm:
         llm.engine.feed([5, 6, 7])
-    assert json.loads(stats.read_text())["picks"] == first["picks"] + 2 * 3 * 2  # added, not replaced
+    second = json.loads(stats.read_text())
+    assert second["picks"] == first["picks"] + 2 * 3 * 2  # added, not replaced
+    # the first run in one half, the second in the other (the one with fewer picks)
+    assert np.asarray(second["halves"]).sum(axis=(1, 2)).tolist() == [first["picks"], 2 * 3 * 2]
 
 
 def test_a_file_of_another_model_is_a_one_line_error(
