@@ -231,6 +231,13 @@ def test_expert_stats_keep_their_runs_in_two_halves(q8_moe: Path, tmp_path: Path
     path.write_text(json.dumps(doc))
     with pytest.raises(TandemError, match='"halves" must be two non-negative tables that add up to "counts"'):
         ExpertStats.open(path, f, cfg)
+    zeros = np.zeros_like(np.asarray(doc["counts"])).tolist()
+    for bad in ("abc", None, [[1]], [[[1e30]]], [zeros, [[-1] * E, [1] * E]], {"a": 1}):
+        doc["halves"] = bad
+        path.write_text(json.dumps(doc))
+        with pytest.raises(TandemError, match=r"^--expert-stats .*: \"halves\"") as e:
+            ExpertStats.open(path, f, cfg)
+        assert "\n" not in str(e.value)
 
 
 def _runs(rng: np.random.Generator, n_runs: int, lasting: np.ndarray, own: float, tokens: int = 768) -> np.ndarray:
