@@ -218,7 +218,6 @@ def test_expert_stats_keep_their_runs_in_two_halves(q8_moe: Path, tmp_path: Path
         stats.add(run)
         stats.save()
     back = ExpertStats.open(path, f, cfg)
-    assert back.halves is not None
     assert np.array_equal(back.halves[0], runs[0] + runs[2]) and np.array_equal(back.halves[1], runs[1])
     assert np.array_equal(back.counts, sum(runs))
     assert back.placement_counts()["expert_counts"] is back.halves
@@ -226,7 +225,7 @@ def test_expert_stats_keep_their_runs_in_two_halves(q8_moe: Path, tmp_path: Path
     del doc["halves"]
     path.write_text(json.dumps(doc))
     old = ExpertStats.open(path, f, cfg)
-    assert old.halves is not None and np.array_equal(old.halves[0], old.counts) and not old.halves[1].any()
+    assert np.array_equal(old.halves[0], old.counts) and not old.halves[1].any()
     doc["halves"] = [doc["counts"], doc["counts"]]
     path.write_text(json.dumps(doc))
     with pytest.raises(TandemError, match='"halves" must be two non-negative tables that add up to "counts"'):

@@ -48,24 +48,24 @@ def routing_fingerprint(f: GGUFFile, cfg: ModelConfig) -> str:
 
 @dataclass
 class ExpertStats:
-    """Picks per (layer, expert) [n_layers, n_experts] int64 (layers without routed experts: zeros)."""
+    """Picks per (layer, expert) int64 (layers without routed experts: zeros), kept in the two halves of the runs
+    that added them: `halves` [2, n_layers, n_experts], `counts` their sum."""
 
-    counts: np.ndarray
+    halves: np.ndarray
     fingerprint: str
     model: str  # the model's name, for messages
     path: Path | None = None  # where they are loaded from and saved to
-    halves: np.ndarray | None = None  # [2, n_layers, n_experts], summing to counts (None: all in the first)
 
-    def __post_init__(self) -> None:
-        if self.halves is None:
-            self.halves = np.stack([self.counts, np.zeros_like(self.counts)])
+    @property
+    def counts(self) -> np.ndarray:
+        return self.halves.sum(axis=0)
 
     @classmethod
     def empty(cls, f: GGUFFile, cfg: ModelConfig, path: str | os.PathLike[str] | None = None) -> ExpertStats:
         if cfg.moe is None:
             raise TandemError(f"--expert-stats: {f.path.name} has no routed experts to count")
-        counts = np.zeros((cfg.n_layers, cfg.moe.n_experts), dtype=np.int64)
-        return cls(counts, routing_fingerprint(f, cfg), _model_name(f), None if path is None else Path(path))
+        halves = np.zeros((2, cfg.n_layers, cfg.moe.n_experts), dtype=np.int64)
+        return cls(halves, routing_fingerprint(f, cfg), _model_name(f), None if path is None else Path(path))
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], f: GGUFFile, cfg: ModelConfig) -> ExpertStats:
@@ -93,9 +93,9 @@ class ExpertStats:
             counts = np.asarray(doc["counts"], dtype=np.int64)
         except (KeyError, TypeError, ValueError, OverflowError):
             raise TandemError(f"{flag}: \"counts\" is not a table of integers") from None
-        if counts.shape != stats.counts.shape or (counts < 0).any():
-            raise TandemError(f"{flag}: counts of shape {counts.shape}, expected {stats.counts.shape}, non-negative")
-        stats.counts = counts
+        shape = stats.halves.shape[1:]
+        if counts.shape != shape or (counts < 0).any():
+            raise TandemError(f"{flag}: counts of shape {counts.shape}, expected {shape}, non-negative")
         stats.halves = np.stack([counts, np.zeros_like(counts)])
         if "halves" in doc:  # files written before the halves have none: all their picks count as one half
             try:
@@ -118,13 +118,10 @@ class ExpertStats:
         return int(self.counts.sum())
 
     def add(self, counts: np.ndarray) -> None:
-        """A run's picks: into the total, and into the half that holds fewer picks."""
-        counts = np.asarray(counts, dtype=np.int64)
-        assert self.halves is not None
-        self.counts = self.counts + counts
+        """A run's picks [n_layers, n_experts], into the half that holds fewer."""
         half = int(self.halves[1].sum() < self.halves[0].sum())
         self.halves = self.halves.copy()
-        self.halves[half] += counts
+        self.halves[half] += np.asarray(counts, dtype=np.int64)
 
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the statistics (atomically: a temporary file renamed over the old one)."""
@@ -140,7 +137,7 @@ class ExpertStats:
             "n_experts": int(self.counts.shape[1]),
             "picks": self.total,
             "counts": self.counts.tolist(),
-            "halves": None if self.halves is None else self.halves.tolist(),
+            "halves": self.halves.tolist(),
         }
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:
