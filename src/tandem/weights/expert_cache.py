@@ -27,7 +27,7 @@ MARGIN = 1.25  # an outside expert replaces the coldest cached one when picked t
 MIN_GAIN = 2.0  # ... by at least this many picks of the decaying sum
 DECAY = 0.5  # weight of the previous windows in the decaying sum
 # Swaps per layer per window. When the text moves on, a layer's hot set changes by tens of experts; one swap per
-# window took 300+ tokens to follow it (device, docs/PERFORMANCE.md session 23).
+# window took up to 320 tokens to follow it (device, docs/PERFORMANCE.md session 23).
 MAX_SWAPS = 4
 
 
