@@ -17,8 +17,8 @@
 #   drift    zipf:1.0,drift:4 model: tandem bench --drift (teacher-forced decode, the hot set moving every
 #            $HOT_DRIFT tokens) with a placement fixed from phase 0's statistics, and with --moe-cache-refresh
 # Every report lands in /tmp/hot/NAME (tables printed); the stats files beside the models. A run that ended well
-# with its whole HOT_STEP_S (an earlier call on the same warm machine) is not run again, nor a recording whose
-# statistics file exists: a call cut short is resumed by the next. HOT_DEADLINE (seconds since the epoch) bounds
+# with its whole HOT_STEP_S (an earlier call on the same warm machine) is not run again (`bounded`), nor a recording
+# whose statistics file exists: a call cut short is resumed by the next. HOT_DEADLINE (seconds since the epoch) bounds
 # every run: one that would end after it is cut to fit, or skipped when under HOT_MIN_S (60) seconds are left.
 set -uo pipefail
 
@@ -61,22 +61,33 @@ limit() {  # limit -> seconds a run may take now: HOT_STEP_S, or less before HOT
   (( s >= MIN_S )) && echo "$s"
 }
 
-bench() {  # bench NAME FLAGS...: tandem bench with a report, bounded; prints the report's table
-  local name=$1 s
+bounded() {  # bounded NAME FUNCTION ARGS...: FUNCTION ARGS (it may read $s: its seconds) into $work/NAME.out,
+  # within limit; not again once it ended well with its whole HOT_STEP_S (NAME.done: a run cut short by the deadline
+  # runs again in the next call)
+  local name=$1 s rc
   shift
   if [[ -f "$work/$name.done" ]]; then
     say "$name: done in an earlier call"
-  elif s=$(limit); then
-    timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench --device cuda -t "$THREADS" --pp 512 --tg 128 \
-      --reps "$REPS" --timeout "$((s - 15))" --budget "$((s - 15))" --report "$work/$name" "$@" \
-      >"$work/$name.out" 2>&1
-    local rc=$?
-    (( rc == 0 && s == STEP_S )) && touch "$work/$name.done"  # one cut short by the deadline runs again next call
-    say "$name: exit $rc in $s s at most (tandem bench $*)"
-  else
-    say "$name: no time left"
-    return
+    return 0
   fi
+  s=$(limit) || { say "$name: no time left"; return 1; }
+  "$@" >"$work/$name.out" 2>&1
+  rc=$?
+  (( rc == 0 && s == STEP_S )) && touch "$work/$name.done"
+  say "$name: exit $rc in $s s at most (${*:2})"
+}
+
+timed() { timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main "$@"; }  # within bounded's $s
+
+timed_bench() {  # tandem bench pp512 / tg128, its own bounds inside bounded's $s
+  timed bench --device cuda -t "$THREADS" --pp 512 --tg 128 --reps "$REPS" --timeout "$((s - 15))" \
+    --budget "$((s - 15))" "$@"
+}
+
+bench() {  # bench NAME FLAGS...: tandem bench with a report, bounded; prints the report's table
+  local name=$1
+  shift
+  bounded "$name" timed_bench --report "$work/$name" "$@" || return
   grep '^|' "$work/$name/report.md" 2>/dev/null || tail -5 "$work/$name.out"
 }
 
@@ -152,24 +163,12 @@ for step in "$@"; do
       say "drift: $(basename "$d"), a new phase every $DRIFT tokens, $DRIFT_TG tokens"
       statistics drift "$d"
       for mode in static refresh; do
-        out="$work/drift-$mode.out"
-        if grep -q "^DONE" "$out" 2>/dev/null; then
-          say "drift $mode: done in an earlier call"
-        elif s=$(limit); then
-          flags=(--expert-stats "$d.stats")
-          [[ $mode == refresh ]] && flags+=(--moe-cache-refresh "$REFRESH")
-          cp "$d.stats" "$d.$mode.stats" 2>/dev/null && flags[1]="$d.$mode.stats"  # each run adds to its own copy
-          timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench -m "$d" --device cuda -t "$THREADS" \
-            --cpu-moe --moe-cache "$CACHE" "${flags[@]}" --pp 128 --tg "$DRIFT_TG" --drift "$DRIFT" --reps 1 \
-            >"$out" 2>&1
-          rc=$?
-          (( rc == 0 && s == STEP_S )) && echo DONE >>"$out"
-          say "drift $mode: exit $rc in $s s at most (--cpu-moe --moe-cache $CACHE ${flags[*]:2})"
-        else
-          say "drift $mode: no time left"
-          continue
-        fi
-        grep -vE "Warning|warn\(|^DONE" "$out" | tail -40
+        cp "$d.stats" "$d.$mode.stats" 2>/dev/null
+        flags=(--expert-stats "$d.$mode.stats")  # each run adds to its own copy of phase 0's
+        [[ $mode == refresh ]] && flags+=(--moe-cache-refresh "$REFRESH")
+        bounded "drift-$mode" timed bench -m "$d" --device cuda -t "$THREADS" --cpu-moe --moe-cache "$CACHE" \
+          "${flags[@]}" --pp 128 --tg "$DRIFT_TG" --drift "$DRIFT" --reps 1 || continue
+        grep -vE "Warning|warn\(" "$work/drift-$mode.out" | tail -40
       done
       ;;
     *) say "unknown step '$step' (static, uniform, drift)" ;;
