@@ -15,7 +15,7 @@ from tandem.errors import PlacementError, TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
 from tandem.placement import ExpertStats, PlacementRequest, RuntimeShape, expert_layer, plan_placement
-from tandem.placement.experts import HOST_LAYER_COST, LayerExperts, estimated_shares, select_experts, shrunk_shares
+from tandem.placement.experts import HOST_LAYER_COST, LayerExperts, estimated_shares, select_experts
 
 E, A = 8, 2  # the tiny Qwen3-MoE's experts per layer and per token
 
@@ -83,10 +83,10 @@ def test_statistics_of_uniform_routing_place_as_none_do() -> None:
         raw = counts / counts.sum(axis=1, keepdims=True)
         assert raw.max() * 128 > 1.15  # the counts alone do make some experts look hot
         for row in counts:
-            assert np.abs(shrunk_shares(row, 8) * 128 - 1).max() < 0.1
+            assert np.abs(estimated_shares(row, 8) * 128 - 1).max() < 0.1
 
 
-def test_shrunk_shares_keep_a_skewed_routers_ranking_and_spread() -> None:
+def test_estimated_shares_keep_a_skewed_routers_ranking_and_spread() -> None:
     rng = np.random.default_rng(2)
     share = 1.0 / np.arange(1, 129)
     share = share / share.sum()  # zipf:1.0 over 128 experts
@@ -94,13 +94,13 @@ def test_shrunk_shares_keep_a_skewed_routers_ranking_and_spread() -> None:
         counts = np.zeros(128)
         for _ in range(tokens):  # 8 distinct picks per token, drawn by popularity
             counts[rng.choice(128, size=8, replace=False, p=share)] += 1
-        shrunk = shrunk_shares(counts, 8)
+        shrunk = estimated_shares(counts, 8)
         assert shrunk.sum() == pytest.approx(1.0)
         assert np.array_equal(np.argsort(-shrunk, kind="stable"), np.argsort(-counts, kind="stable"))
         observed = counts / counts.sum()
         assert np.abs(shrunk - 1 / 128).sum() > 0.9 * np.abs(observed - 1 / 128).sum()
-    assert np.array_equal(shrunk_shares(np.zeros(16), 2), np.full(16, 1 / 16))
-    assert np.array_equal(shrunk_shares(np.full(16, 5.0), 2), np.full(16, 1 / 16))
+    assert np.array_equal(estimated_shares(np.zeros(16), 2), np.full(16, 1 / 16))
+    assert np.array_equal(estimated_shares(np.full(16, 5.0), 2), np.full(16, 1 / 16))
 
 
 def test_budget_is_never_exceeded_and_a_fully_cached_layer_becomes_whole() -> None:
@@ -281,7 +281,7 @@ def test_a_texts_own_hot_set_is_not_taken_for_the_routers() -> None:
         assert np.array_equal(np.argsort(-shares, kind="stable"), np.argsort(-c, kind="stable"))
         assert np.abs(shares - 1 / 128).sum() > 0.8 * np.abs(c / c.sum() - 1 / 128).sum()
     assert np.array_equal(estimated_shares(total[0], 8, np.stack([total[0], 0 * total[0]])),
-                          shrunk_shares(total[0], 8))  # fmt: skip
+                          estimated_shares(total[0], 8))  # fmt: skip
 
 
 def test_refresh_keeps_a_spare_slot_per_cached_layer(q8_moe: Path) -> None:

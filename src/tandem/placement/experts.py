@@ -110,44 +110,46 @@ def popularity_table(
 
 def estimated_shares(counts: np.ndarray, n_active: int, halves: np.ndarray | None = None) -> np.ndarray:
     """Each expert's share of a layer's picks [E] (summing to 1) in the texts to come, from its pick counts [E]:
-    the observed shares pulled towards uniform by how far they are to be trusted. With two halves of the counts
-    [2, E] (different runs, hence different texts) that both hold picks, by their agreement: the correlation r of
-    the halves' deviations from uniform (less what unrelated halves reach by chance, 2 / sqrt(E)), stepped up to
-    the whole (2r / (1 + r)) -- a router's lasting preferences show in both, a text's own hot set and sampling
-    noise in one. A random text's routing can be as skewed as a
-    skewed router's (synthetic models: the top 10 % of experts take 21-54 % of a layer's picks over five texts)
-    and says nothing of the next text's. Otherwise by sampling noise alone (`shrunk_shares`)."""
+    the observed shares pulled towards uniform by how far they are to be trusted -- by the agreement of `halves`
+    [2, E] (the counts of different runs, hence different texts) when both hold picks, else by sampling noise."""
     c = np.asarray(counts, dtype=np.float64)
-    if halves is None or min(float(h.sum()) for h in halves) <= 0:
-        return shrunk_shares(c, n_active)
-    e = c.size
-    uniform = np.full(e, 1.0 / e)
-    a, b = (np.asarray(h, dtype=np.float64) / float(np.sum(h)) - uniform for h in halves)
-    norm = float(np.sqrt((a @ a) * (b @ b)))
-    r = float(a @ b) / norm if norm > 0 else 0.0
-    chance = 2.0 / np.sqrt(e)  # two standard deviations of r between unrelated halves: taken for chance
-    r = min(1.0, max(0.0, (r - chance) / (1.0 - chance)))
-    return uniform + 2 * r / (1 + r) * (c / c.sum() - uniform)
-
-
-def shrunk_shares(counts: np.ndarray, n_active: int) -> np.ndarray:
-    """Each expert's share of a layer's picks [E] (summing to 1), estimated from its pick counts: the observed
-    shares pulled towards uniform by the part of their spread that sampling explains (James-Stein). A token picks
-    an expert at most once, so under uniform routing an expert's count over n tokens has variance
-    n (A/E)(1 - A/E), and the counts' squared deviations from their mean sum to N (1 - A/E) in expectation
-    (N = n A picks). Observed shares keep the fraction of their spread beyond that: all of it for a skewed router,
-    none for a uniform one, whose few hundred tokens' counts would otherwise make some experts look hot and
-    displace whole layers (which also save the host round trip) with scattered single experts."""
-    c = np.asarray(counts, dtype=np.float64)
-    e = c.size
-    total = float(c.sum())
+    e, total = c.size, float(c.sum())
     uniform = np.full(e, 1.0 / e)
     if total <= 0:
         return uniform
+    if halves is not None and min(float(np.sum(h)) for h in halves) > 0:
+        trust = _halves_agreement(halves)
+    else:
+        trust = _beyond_sampling_noise(c, n_active)
+    return uniform + trust * (c / total - uniform)
+
+
+def _halves_agreement(halves: np.ndarray) -> float:
+    """How far two halves' shares [2, E] agree: the correlation r of their deviations from uniform, less what
+    unrelated halves reach by chance (2 / sqrt(E)), stepped up to the whole (2r / (1 + r)). A router's lasting
+    preferences show in both; a text's own hot set and sampling noise in one. A random text's routing can be as
+    skewed as a skewed router's (synthetic models: the top 10 % of experts take 21-54 % of a layer's picks over
+    five texts) and says nothing of the next text's."""
+    e = np.shape(halves)[-1]
+    a, b = (np.asarray(h, dtype=np.float64) / float(np.sum(h)) - 1.0 / e for h in halves)
+    norm = float(np.sqrt((a @ a) * (b @ b)))
+    r = float(a @ b) / norm if norm > 0 else 0.0
+    chance = 2.0 / np.sqrt(e)  # two standard deviations of r between unrelated halves
+    r = min(1.0, max(0.0, (r - chance) / (1.0 - chance)))
+    return 2 * r / (1 + r)
+
+
+def _beyond_sampling_noise(c: np.ndarray, n_active: int) -> float:
+    """The fraction of the counts' spread [E] that sampling does not explain (James-Stein). A token picks an expert
+    at most once, so under uniform routing an expert's count over n tokens has variance n (A/E)(1 - A/E), and the
+    counts' squared deviations from their mean sum to N (1 - A/E) in expectation (N = n A picks): all of the spread
+    is kept for a skewed router, none for a uniform one, whose few hundred tokens' counts would otherwise make some
+    experts look hot and displace whole layers (which also save the host round trip) with scattered single
+    experts."""
+    e, total = c.size, float(c.sum())
     spread = float(((c - total / e) ** 2).sum())
     noise = total * (1.0 - min(n_active, e) / e)
-    keep = max(0.0, 1.0 - noise / spread) if spread > 0 else 0.0
-    return uniform + keep * (c / total - uniform)
+    return max(0.0, 1.0 - noise / spread) if spread > 0 else 0.0
 
 
 def _cost(layers: Sequence[LayerExperts], pop: Mapping[int, np.ndarray], full: set[int],
