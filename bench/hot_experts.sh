@@ -95,12 +95,14 @@ record() {  # record MODEL STATS FLAGS...: an untimed run that counts the routin
   local m=$1 stats=$2 s
   shift 2
   [[ -s "$stats" ]] && { say "statistics $(basename "$stats"): recorded earlier"; summary "$stats"; return; }
-  s=$(limit) || { say "statistics $(basename "$stats"): no time left"; return; }
+  s=$(limit) || { say "statistics $(basename "$stats"): no time left"; return 1; }
+  # --report: worker processes (--process-reps); the report itself is not read
   timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench -m "$m" --device cuda -t "$THREADS" "$@" \
-    --expert-stats "$stats.part" >"$stats.log" 2>&1
+    --expert-stats "$stats.part" --report "$work/record-$(basename "$stats")" >"$stats.log" 2>&1
   local rc=$?
   (( rc == 0 )) && mv "$stats.part" "$stats"
   say "statistics recorded into $(basename "$stats"): exit $rc ($*)"
+  (( rc == 0 )) || { tail -3 "$stats.log"; return 1; }
   summary "$stats"
 }
 
@@ -145,8 +147,9 @@ for step in "$@"; do
     static)
       z=$(model "${routing_of[static]}") || continue
       say "static: $(basename "$z"), budget $BUDGET, cache $CACHE, llama.cpp's --n-cpu-moe $LAYERS"
-      statistics static "$z"
+      statistics static "$z" && recorded=1 || recorded=0
       bench zipf-layers -m "$z" --compare llamacpp --peer-lib "$PEER_LIB" --matrix "n-cpu-moe=$LAYERS,cpu-moe"
+      (( recorded )) || continue  # placed by statistics only when they were recorded
       bench zipf-budget -m "$z" --gpu-memory "$BUDGET" --expert-stats "$z.stats"
       bench zipf-cache -m "$z" --cpu-moe --moe-cache "$CACHE" --expert-stats "$z.stats"
       grep -h "gpu-memory\|moe-cache" "$work/zipf-budget.out" "$work/zipf-cache.out" | grep -i "cached\|whole" | head -4
@@ -154,14 +157,14 @@ for step in "$@"; do
     uniform)
       u=$(model "${routing_of[uniform]}") || continue
       say "uniform: $(basename "$u")"
-      statistics uniform "$u"
-      bench uniform-stats -m "$u" --gpu-memory "$BUDGET" --expert-stats "$u.stats"
+      statistics uniform "$u" && bench uniform-stats -m "$u" --gpu-memory "$BUDGET" --expert-stats "$u.stats"
       bench uniform-layers -m "$u" --gpu-memory "$BUDGET"
+      grep -h "gpu-memory" "$work/uniform-stats.out" "$work/uniform-layers.out" | grep -i "whole\|cached" | head -4
       ;;
     drift)
       d=$(model "${routing_of[drift]}") || continue
       say "drift: $(basename "$d"), a new phase every $DRIFT tokens, $DRIFT_TG tokens"
-      statistics drift "$d"
+      statistics drift "$d" || continue
       for mode in static refresh; do
         cp "$d.stats" "$d.$mode.stats" 2>/dev/null
         flags=(--expert-stats "$d.$mode.stats")  # each run adds to its own copy of phase 0's

@@ -39,6 +39,20 @@ def test_picks_are_counted_and_added_to_the_file(q8_moe: Path, tmp_path: Path) -
     assert np.asarray(second["halves"]).sum(axis=(1, 2)).tolist() == [first["picks"], 2 * 3 * 2]
 
 
+def test_each_text_of_a_run_goes_to_a_half_of_its_own(q8_moe: Path, tmp_path: Path) -> None:
+    stats = tmp_path / "s.json"
+    with tandem.LLM(q8_moe, device="cpu", n_ctx=64, expert_stats=stats) as llm:
+        llm.generate_ids([3, 4, 5, 6], max_tokens=2, temperature=0.0)  # 4 + 1 rows (the last token is not run)
+        llm.generate_ids([7, 8], max_tokens=2, temperature=0.0)  # 2 + 1
+        llm.engine.reset()
+        llm.engine.append([9, 10, 11])  # 3 rows of a third text, after a reset
+    doc = json.loads(stats.read_text())
+    per_text = 2 * 2  # layers x experts per token
+    # texts of 5, 3 and 3 rows, each into the half with fewer picks: 5 | 3, then 5 | 6
+    assert np.asarray(doc["halves"]).sum(axis=(1, 2)).tolist() == [5 * per_text, 6 * per_text]
+    assert doc["picks"] == 11 * per_text
+
+
 def test_a_file_of_another_model_is_a_one_line_error(
     q8_moe: Path, tiny_qwen35moe_gguf: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

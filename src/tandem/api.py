@@ -187,6 +187,7 @@ class LLM:
             raise TandemError("--moe-cache, --expert-stats: not built under --tp yet; drop them or --tp")
         self.expert_stats = None if expert_stats is None else ExpertStats.open(expert_stats, self.file, self.config)
         self.routing_counts: RoutingCounts | None = None
+        self._stats_taken: np.ndarray | None = None  # the device counts already added to expert_stats
         self.expert_refresher: ExpertCacheRefresher | None = None
         # --tp N (docs/TENSOR_PARALLEL.md): this process is rank 0, ranks 1..N-1 are child processes; the plan,
         # model, kernels and placement below are rank 0's, `tp` has every rank's
@@ -233,6 +234,8 @@ class LLM:
             self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel,
             runner=self.tp.runner if self.tp is not None else ModelRunner,
         )  # fmt: skip
+        if self.expert_stats is not None:
+            self.engine.on_new_text = self._count_text
 
     def _placement_stats(self) -> dict[str, Any]:
         """plan_placement's routing statistics: the file's counts, when it has any."""
@@ -253,14 +256,23 @@ class LLM:
             self.expert_refresher = ExpertCacheRefresher(loader.cache_slots, self.routing_counts, every)
             self.model.expert_refresher = self.expert_refresher
 
-    def save_expert_stats(self) -> None:
-        """Add the picks counted since the start (or the last save) to --expert-stats' file and write it (waits
-        for the device); close() does it too."""
+    def _count_text(self) -> None:
+        """Add the picks counted since the last text began to --expert-stats (waits for the device): each text
+        goes to a half of the file of its own, so that its own hot set shows in one half only (`ExpertStats`)."""
         if self.expert_stats is None or self.routing_counts is None:
             return
-        counts = self.routing_counts.read()
-        self.routing_counts.counts.zero_()
-        self.expert_stats.add(counts.numpy())
+        counts = self.routing_counts.read().numpy()
+        new = counts - self._stats_taken if self._stats_taken is not None else counts
+        self._stats_taken = counts
+        if new.any():
+            self.expert_stats.add(new)
+
+    def save_expert_stats(self) -> None:
+        """Add the picks counted since the last text began to --expert-stats' file and write it (waits for the
+        device); close() does it too."""
+        if self.expert_stats is None or self.routing_counts is None:
+            return
+        self._count_text()
         self.expert_stats.save()
 
     def placement_summary(self) -> dict[str, int]:

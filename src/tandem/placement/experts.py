@@ -111,7 +111,7 @@ def popularity_table(
 def estimated_shares(counts: np.ndarray, n_active: int, halves: np.ndarray | None = None) -> np.ndarray:
     """Each expert's share of a layer's picks [E] (summing to 1) in the texts to come, from its pick counts [E]:
     the observed shares pulled towards uniform by how far they are to be trusted -- by the agreement of `halves`
-    [2, E] (the counts of different runs, hence different texts) when both hold picks, else by sampling noise."""
+    [2, E] (the counts of different texts) when both hold picks, else by sampling noise."""
     c = np.asarray(counts, dtype=np.float64)
     e, total = c.size, float(c.sum())
     uniform = np.full(e, 1.0 / e)

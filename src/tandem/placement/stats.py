@@ -2,9 +2,10 @@
 
 Counted on the GPU from every step's top-k (layers/moe.py `RoutingCounts`), added to what the file held at the
 start, and written back when the model closes; the next start places the hottest experts in VRAM from them
-(placement/plan.py). The file keeps the runs' counts in two halves too (each run's go to the half with fewer
-picks), so that the placement can tell a router's lasting preferences, which both halves show, from a text's
-own hot set, which the next text does not share (placement/experts.py `estimated_shares`).
+(placement/plan.py). The file keeps the texts' counts in two halves too (each text's -- a request, or what slot 0
+ran between two resets -- go to the half with fewer picks), so that the placement can tell a router's lasting
+preferences, which both halves show, from a text's own hot set, which the next text does not share
+(placement/experts.py `estimated_shares`).
 
 A file belongs to one model's routers: its fingerprint hashes the architecture, the expert counts and each
 router's name, shape, type and bytes (a sample of them), so the same model in another quantization matches (its
@@ -48,7 +49,7 @@ def routing_fingerprint(f: GGUFFile, cfg: ModelConfig) -> str:
 
 @dataclass
 class ExpertStats:
-    """Picks per (layer, expert) int64 (layers without routed experts: zeros), kept in the two halves of the runs
+    """Picks per (layer, expert) int64 (layers without routed experts: zeros), kept in the two halves of the texts
     that added them: `halves` [2, n_layers, n_experts], `counts` their sum."""
 
     halves: np.ndarray
@@ -118,7 +119,7 @@ class ExpertStats:
         return int(self.counts.sum())
 
     def add(self, counts: np.ndarray) -> None:
-        """A run's picks [n_layers, n_experts], into the half that holds fewer."""
+        """A text's picks [n_layers, n_experts], into the half that holds fewer."""
         half = int(self.halves[1].sum() < self.halves[0].sum())
         self.halves = self.halves.copy()
         self.halves[half] += np.asarray(counts, dtype=np.int64)

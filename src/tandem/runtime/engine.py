@@ -56,6 +56,8 @@ class Engine:
         self.runner = runner(model, self.pool, graphs)
         self.scheduler = Scheduler(self.pool, n_batch)
         self._ids = itertools.count()
+        # called where a new text begins (a request added, slot 0 emptied): --expert-stats counts texts apart
+        self.on_new_text: Callable[[], None] | None = None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: Tokens[int], sampler: Sampler, max_tokens: int, stop_ids: frozenset[int]) -> Sequence:
@@ -65,6 +67,7 @@ class Engine:
                 f"context full: the prompt's {len(prompt)} tokens exceed the context size {self.n_ctx} "
                 f"(raise -c/--ctx-size)"
             )
+        self._new_text()
         seq = Sequence(next(self._ids), list(prompt), sampler, max_tokens, stop_ids)
         if max_tokens == 0:
             self.scheduler.finish(seq, "length")
@@ -132,7 +135,12 @@ class Engine:
         return self.cache.length >= self.n_ctx
 
     def reset(self) -> None:
+        self._new_text()
         self.cache.truncate(0)
+
+    def _new_text(self) -> None:
+        if self.on_new_text is not None:
+            self.on_new_text()
 
     def feed(self, ids: Tokens[int]) -> torch.Tensor:
         """Make slot 0's sequence equal to `ids` and return the logits [V] after its last token, the longest
@@ -141,6 +149,8 @@ class Engine:
         ids = list(ids)
         reuse_prefix(self.cache, ids)
         start = self.cache.length
+        if start == 0:
+            self._new_text()
         if self.cache.has_recurrent and start < len(ids) - 1:
             self.append(ids[start:-1])
             self.cache.checkpoint()
