@@ -96,9 +96,9 @@ record() {  # record MODEL STATS FLAGS...: an untimed run that counts the routin
   shift 2
   [[ -s "$stats" ]] && { say "statistics $(basename "$stats"): recorded earlier"; summary "$stats"; return; }
   s=$(limit) || { say "statistics $(basename "$stats"): no time left"; return 1; }
-  # --report: worker processes (--process-reps); the report itself is not read
+  # --seed: other texts than the timed runs' (seeds 0, 1, ...), each into a half of the file of its own
   timeout -s TERM -k 10 "$s" "$PY" -m tandem.cli.main bench -m "$m" --device cuda -t "$THREADS" "$@" \
-    --expert-stats "$stats.part" --report "$work/record-$(basename "$stats")" >"$stats.log" 2>&1
+    --seed 1000 --expert-stats "$stats.part" >"$stats.log" 2>&1
   local rc=$?
   (( rc == 0 )) && mv "$stats.part" "$stats"
   say "statistics recorded into $(basename "$stats"): exit $rc ($*)"
@@ -124,12 +124,12 @@ PY
 declare -A routing_of=([static]=zipf:1.0 [uniform]=uniform [drift]=zipf:1.0,drift:4)
 statistics() {  # statistics STEP MODEL: the routing statistics that STEP's placements read, recorded once
   case $1 in
-    # two runs (worker processes) of three texts each (a warm-up's and two repetitions'): a random text routes with a
-    # hot set of its own around the model's law (docs/synth.md), and the placement trusts what the file's two
-    # halves of runs agree on (placement/experts.py estimated_shares)
-    static|uniform) record "$2" "$2.stats" --gpu-memory "$BUDGET" --pp 512 --tg 256 --reps 4 --process-reps 2 ;;
+    # five texts (a warm-up's and four repetitions'): a random text routes with a hot set of its own around the
+    # model's law (docs/synth.md), and the placement trusts what the file's two halves of texts agree on
+    # (placement/experts.py estimated_shares)
+    static|uniform) record "$2" "$2.stats" --gpu-memory "$BUDGET" --pp 512 --tg 256 --reps 4 ;;
     # phase 0 throughout (--drift >= --tg): the statistics of a placement fixed for the text's start
-    drift) record "$2" "$2.stats" --cpu-moe --moe-cache "$CACHE" --pp 128 --tg 512 --drift 512 --reps 1 ;;
+    drift) record "$2" "$2.stats" --cpu-moe --moe-cache "$CACHE" --pp 128 --tg 512 --drift 512 --reps 2 ;;
   esac
 }
 

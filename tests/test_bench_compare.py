@@ -9,6 +9,7 @@ llama-cpp-python CPU build (scripts/build_llamacpp.sh) is importable.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -550,3 +551,9 @@ def test_pcie_experts_goes_to_the_rows_with_experts_in_host_ram(
     assert ["--pcie-experts" in cmd for cmd in cmds] == [True, True, False, False]
     assert all(cmd[cmd.index("--pcie-experts") + 1] == "1" for cmd in cmds[:2])
     assert not any("--pcie-experts" in (comparison._cmd("llamacpp", i, 1) or []) for i in range(4))
+    # bench --seed: both engines' workers draw their prompts from it
+    reseeded = dataclasses.replace(settings, seed=1000)
+    seeded = compare.Comparison(reseeded, placements, llama=dict.fromkeys(range(4), peer))
+    for engine in ("tandem", "llamacpp"):
+        cmd = seeded._cmd(engine, 0, 1) or []
+        assert cmd[cmd.index("--seed") + 1] == "1000"

@@ -273,7 +273,7 @@ class Comparison:
     def _cmd(self, engine: str, i: int, reps: int, deadline: float | None = None) -> list[str] | None:
         s = self.settings
         common = ["-t", str(s.threads), "-c", str(s.n_ctx), "-b", str(s.n_batch), "--cache-type", s.cache_type]
-        common += ["--pp", ",".join(map(str, s.pp)), "--tg", str(s.tg), "--reps", str(reps), "--seed", "0"]
+        common += ["--pp", ",".join(map(str, s.pp)), "--tg", str(s.tg), "--reps", str(reps), "--seed", str(s.seed)]
         if deadline is not None:
             common += ["--deadline", f"{deadline:.3f}"]
         if engine == "tandem":
@@ -460,6 +460,7 @@ def settings_from_args(args: Any) -> BenchSettings:
         pcie_experts=getattr(args, "pcie_experts", 0),
         expert_stats=getattr(args, "expert_stats", None),
         process_reps=getattr(args, "process_reps", None),
+        seed=getattr(args, "seed", 0),
     )
     settings.validate()
     return settings

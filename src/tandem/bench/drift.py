@@ -83,12 +83,15 @@ def check_drift(every: int, window: int) -> None:
         raise TandemError(f"--drift {every} must be a positive multiple of --drift-window {window}")
 
 
-def run_drift(llm: LLM, model_name: str, pp: int, tg: int, every: int, window: int, reps: int) -> DriftResult:
-    """Warm up once, then decode the same scripted text `reps` times; per window the median tok/s. The expert
-    cache is not reset between repetitions: after the first, phase 0 also starts on the last phase's cache."""
+def run_drift(
+    llm: LLM, model_name: str, pp: int, tg: int, every: int, window: int, reps: int, seed: int = 0
+) -> DriftResult:
+    """Warm up once, then decode the same scripted text (drawn with `seed`) `reps` times; per window the median
+    tok/s. The expert cache is not reset between repetitions: after the first, phase 0 also starts on the last
+    phase's cache."""
     check_drift(every, window)
     routing, phases = model_phases(llm)
-    prompt, script = drift_tokens(llm.config.n_vocab, phases, pp, tg, every, seed=0)
+    prompt, script = drift_tokens(llm.config.n_vocab, phases, pp, tg, every, seed)
     time_scripted_decode(llm, prompt[:16], script[:4], window)
     runs = [time_scripted_decode(llm, prompt, script, window) for _ in range(reps)]
     windows = []

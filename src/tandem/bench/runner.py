@@ -61,12 +61,12 @@ def sync_device(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
-def run_bench(llm: LLM, model_name: str, load_s: float, pp: int, tg: int, reps: int) -> BenchResult:
-    """Warm up once, then time `reps` repetitions and report the medians."""
+def run_bench(llm: LLM, model_name: str, load_s: float, pp: int, tg: int, reps: int, seed: int = 0) -> BenchResult:
+    """Warm up once, then time `reps` repetitions (prompt seeds seed, seed + 1, ...) and report the medians."""
     time_prefill_decode(llm, min(pp, 16), min(tg, 4), seed=-1 % 2**31)
     prefill, decode = [], []
     for rep in range(reps):
-        p, d = time_prefill_decode(llm, pp, tg, seed=rep)
+        p, d = time_prefill_decode(llm, pp, tg, seed=seed + rep)
         prefill.append(p)
         decode.append(d)
     return BenchResult(
@@ -117,7 +117,7 @@ def time_concurrent(llm: LLM, n: int, pp: int, tg: int, seed: int) -> tuple[floa
     return first - start, end - first
 
 
-def run_concurrent(llm: LLM, sizes: list[int], pp: int, tg: int, reps: int) -> list[ConcurrentResult]:
+def run_concurrent(llm: LLM, sizes: list[int], pp: int, tg: int, reps: int, seed: int = 0) -> list[ConcurrentResult]:
     """Per size N (at most the engine's slots): a warm-up (it captures the decode graph of N rows), then the
     medians of `reps` repetitions."""
     results = []
@@ -125,7 +125,7 @@ def run_concurrent(llm: LLM, sizes: list[int], pp: int, tg: int, reps: int) -> l
         time_concurrent(llm, n, min(pp, 16), min(tg, 4), seed=-1 % 2**31)
         prefill, decode = [], []
         for rep in range(reps):
-            p, d = time_concurrent(llm, n, pp, tg, seed=rep)
+            p, d = time_concurrent(llm, n, pp, tg, seed=seed + rep)
             prefill.append(p)
             decode.append(d)
         aggregate = n * (tg - 1) / statistics.median(decode)

@@ -160,6 +160,7 @@ class BenchSettings:
     repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
     pcie_experts: int = 0  # tandem's --pcie-experts (llama.cpp computes every --cpu-moe expert on the CPU in decode)
     expert_stats: str | None = None  # tandem's --expert-stats: each tandem worker reads and adds to the file
+    seed: int = 0  # the first repetition's prompt seed (repetition r: seed + r)
 
     def process_plan(self, n_engines: int) -> list[int]:
         """Repetitions of each of a row's worker processes, in order (compare.py's schedule): `process_reps` each

@@ -446,7 +446,7 @@ def _bench_concurrency(args: argparse.Namespace, pp_sizes: list[int]) -> int:
     check_option("n_parallel", args.parallel)
     llm = _load(args)
     try:
-        results = run_concurrent(llm, sizes, pp_sizes[0], args.tg, args.reps)
+        results = run_concurrent(llm, sizes, pp_sizes[0], args.tg, args.reps, args.seed)
     finally:
         llm.close()
     if args.json:
@@ -472,7 +472,8 @@ def _bench_drift(args: argparse.Namespace, pp_sizes: list[int]) -> int:
     check_drift(args.drift, args.drift_window)
     llm = _load(args)
     try:
-        r = run_drift(llm, Path(llm.file.path).name, pp_sizes[0], args.tg, args.drift, args.drift_window, args.reps)
+        name = Path(llm.file.path).name
+        r = run_drift(llm, name, pp_sizes[0], args.tg, args.drift, args.drift_window, args.reps, args.seed)
     finally:
         llm.close()
     if args.json:
@@ -518,7 +519,8 @@ def bench(args: argparse.Namespace) -> int:
     llm = _load(args)
     load_s = time.perf_counter() - start
     try:
-        results = [run_bench(llm, Path(llm.file.path).name, load_s, pp, args.tg, args.reps) for pp in pp_sizes]
+        name = Path(llm.file.path).name
+        results = [run_bench(llm, name, load_s, pp, args.tg, args.reps, args.seed) for pp in pp_sizes]
     finally:
         llm.close()
     if args.json:

@@ -263,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported (default 3)")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the first repetition's prompt seed, the next ones' counting up (default 0; e.g. a recording of "
+        "--expert-stats on other texts than the timed runs')",
+    )
+    bench.add_argument(
         "--concurrency",
         type=int_list,
         default=None,
