@@ -9,7 +9,8 @@
 #   static   zipf:1.0 model: routing statistics recorded first (an untimed run at the budget, --expert-stats),
 #            then tandem bench --compare llamacpp over --n-cpu-moe $HOT_LAYERS (llama.cpp's best placement near
 #            the budget: whole layers) and --cpu-moe, and tandem alone at --gpu-memory $HOT_BUDGET and
-#            --cpu-moe --moe-cache $HOT_CACHE, both placed by the statistics
+#            --cpu-moe --moe-cache $HOT_CACHE, both placed by the statistics (each run its own copy of them),
+#            and at the budget with --moe-cache-refresh $HOT_REFRESH
 #   uniform  the plain (uniform-routing) model: --gpu-memory $HOT_BUDGET with statistics against without (whole
 #            layers) and --n-cpu-moe $HOT_LAYERS
 #   synth    make the models of the steps named after it and record their routing statistics (untimed, so
@@ -121,6 +122,11 @@ print(f"  {c.shape[0]} layers: picks per layer {picks.min():.0f}..{picks.max():.
 PY
 }
 
+own() {  # own STATS NAME -> a copy of STATS for run NAME: each timed run reads the recording alone (a run adds its
+  # own texts to the file it reads, which the next run's placement would then be fitted on)
+  cp "$1" "$1.$2" && echo "$1.$2"
+}
+
 declare -A routing_of=([static]=zipf:1.0 [uniform]=uniform [drift]=zipf:1.0,drift:4)
 statistics() {  # statistics STEP MODEL: the routing statistics that STEP's placements read, recorded once
   case $1 in
@@ -150,14 +156,17 @@ for step in "$@"; do
       statistics static "$z" && recorded=1 || recorded=0
       bench zipf-layers -m "$z" --compare llamacpp --peer-lib "$PEER_LIB" --matrix "n-cpu-moe=$LAYERS,cpu-moe"
       (( recorded )) || continue  # placed by statistics only when they were recorded
-      bench zipf-budget -m "$z" --gpu-memory "$BUDGET" --expert-stats "$z.stats"
-      bench zipf-cache -m "$z" --cpu-moe --moe-cache "$CACHE" --expert-stats "$z.stats"
-      grep -h "gpu-memory\|moe-cache" "$work/zipf-budget.out" "$work/zipf-cache.out" | grep -i "cached\|whole" | head -4
+      bench zipf-budget -m "$z" --gpu-memory "$BUDGET" --expert-stats "$(own "$z.stats" budget)"
+      bench zipf-cache -m "$z" --cpu-moe --moe-cache "$CACHE" --expert-stats "$(own "$z.stats" cache)"
+      # the budget's cache re-placed online too: it follows each text's own hot set (bench/refresh_replay.py)
+      bench zipf-budget-refresh -m "$z" --gpu-memory "$BUDGET" --expert-stats "$(own "$z.stats" refresh)" \
+        --moe-cache-refresh "$REFRESH"
+      grep -h "gpu-memory\|moe-cache" "$work"/zipf-{budget,cache}.out | grep -i "cached\|whole" | head -4
       ;;
     uniform)
       u=$(model "${routing_of[uniform]}") || continue
       say "uniform: $(basename "$u")"
-      statistics uniform "$u" && bench uniform-stats -m "$u" --gpu-memory "$BUDGET" --expert-stats "$u.stats"
+      statistics uniform "$u" && bench uniform-stats -m "$u" --gpu-memory "$BUDGET" --expert-stats "$(own "$u.stats" run)"
       bench uniform-layers -m "$u" --gpu-memory "$BUDGET"
       grep -h "gpu-memory" "$work/uniform-stats.out" "$work/uniform-layers.out" | grep -i "whole\|cached" | head -4
       ;;
