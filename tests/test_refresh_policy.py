@@ -4,9 +4,14 @@ cache fitted to the new hot set, where a cache fixed for the first one falls beh
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 
-from bench.refresh_replay import fixed_hits, hottest, online_hits
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.refresh_replay import fixed_hits, hottest, online_hits  # noqa: E402 - the repository root first
 
 LAYERS, EXPERTS, ACTIVE, CACHED, PHASE = 3, 64, 4, 12, 256
 
