@@ -100,8 +100,8 @@
 #     by stage, and torch's segments by the line that made them)
 #   HOT="static uniform drift" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
 #     qwen3-30b-a3b models with skewed routing, its models synthesised and their statistics recorded while
-#     llama.cpp builds, or with a carried build each step's just before its runs; HOT_BUDGET=10GiB HOT_CACHE=8GiB HOT_LAYERS=24 HOT_STEP_S=150 HOT_REPS=3, each run bounded by
-#     DEADLINE_S, see the script; its reports come back in $OUT/hot_reports.tar.gz). MODELS="qwen3-30b-a3b"
+#     llama.cpp builds, or with a carried build each step's just before its runs; HOT_BUDGET=10GiB
+#     HOT_CACHE=8GiB HOT_LAYERS=24 HOT_STEP_S=150 HOT_REPS=3, each run bounded by DEADLINE_S, see the script; its reports come back in $OUT/hot_reports.tar.gz). MODELS="qwen3-30b-a3b"
 #     MATRIX=none runs it alone. A second call on the still-warm machine (the same command within ~30 s) finds the
 #     build, the models (KEEP_MODELS=1 keeps them) and the steps done, and runs only what is left
 #   TRACE=1 (while the build runs, on the first model: bench/profile_step.py over PROFILE_PLACEMENTS=cpu-moe,all,
@@ -265,8 +265,7 @@ hot_synth_pid=""
 if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]] && building; then  # the skewed models and their statistics, beside the build
   # after the prewarm: recording runs on the GPU, and autotuning beside another process's kernels would time both.
   # With a carried build there is nothing to hide them behind: each step then makes its own model and statistics
-  # just before its runs, so that a call cut short still brings back the steps before it (session 23's call 4
-  # spent its time making all three models first).
+  # just before its runs, so that a call cut short still brings back the steps before it.
   PY="$PY" MODEL_DIR="$MODEL_DIR" THREADS="$THREADS" bash bench/hot_experts.sh synth $HOT &
   hot_synth_pid=$!
 fi

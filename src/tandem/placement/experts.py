@@ -128,8 +128,7 @@ def _halves_agreement(halves: np.ndarray) -> float:
     """How far two halves' shares [2, E] agree: the correlation r of their deviations from uniform, less what
     unrelated halves reach by chance (2 / sqrt(E)), stepped up to the whole (2r / (1 + r)). A router's lasting
     preferences show in both; a text's own hot set and sampling noise in one. A random text's routing can be as
-    skewed as a skewed router's (synthetic models: the top 10 % of experts take 21-54 % of a layer's picks over
-    five texts) and says nothing of the next text's."""
+    skewed as a skewed router's and says nothing of the next text's (docs/synth.md)."""
     e = np.shape(halves)[-1]
     a, b = (np.asarray(h, dtype=np.float64) / float(np.sum(h)) - 1.0 / e for h in halves)
     norm = float(np.sqrt((a @ a) * (b @ b)))

@@ -45,9 +45,8 @@ class RuntimeShape:
 
 # What the driver counts for a process on a GPU beyond the tensors the plan places: the CUDA context and its
 # kernels' modules, library handles, and the blocks torch's caching allocator holds but no tensor uses (a process
-# that tunes a Triton kernel also takes a 256 MiB buffer for it). Measured on the H200 (CUDA 13, torch 2.11): the
-# driver's peak 930-1,035 MiB above torch's peak allocation in benchmark runs (docs/PERFORMANCE.md, session 23).
-# --gpu-memory is a budget for what the driver shows, so the plan counts it.
+# that tunes a Triton kernel also takes a 256 MiB buffer for it): the driver's peak above torch's peak allocation,
+# with a margin (docs/PERFORMANCE.md). --gpu-memory is a budget for what the driver shows, so the plan counts it.
 GPU_PROCESS_BYTES = 1280 << 20
 
 

@@ -26,8 +26,8 @@ from tandem.layers.moe import RoutingCounts
 MARGIN = 1.25  # an outside expert replaces the coldest cached one when picked this much more often (and ...)
 MIN_GAIN = 2.0  # ... by at least this many picks of the decaying sum
 DECAY = 0.5  # weight of the previous windows in the decaying sum
-# Swaps per layer per window. When the text moves on, a layer's hot set changes by tens of experts; one swap per
-# window took up to 320 tokens to follow it (device, docs/PERFORMANCE.md session 23).
+# Swaps per layer per window. When the text moves on, a layer's hot set changes by tens of experts, which one swap
+# per window follows too slowly (docs/PERFORMANCE.md).
 MAX_SWAPS = 4
 
 
