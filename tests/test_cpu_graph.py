@@ -114,6 +114,67 @@ def test_several_sequences_in_one_step(gemma: tuple[tandem.LLM, StepGraph]) -> N
     assert [s.tokens[len(p) :] for s, (p, _) in zip(seqs, requests, strict=True)] == alone
 
 
+@pytest.mark.parametrize("model, lengths, cache_type", [
+    ("bundled", (600, 40, 450, 500), "f16"),
+    ("tiny_gemma3_gguf", (100, 10, 70, 80), "f16"),  # sliding window 16
+    ("tiny_qwen3moe_gguf", (100, 10, 70, 80), "f16"),  # grouped-query heads
+    ("tiny_qwen3moe_gguf", (100, 10, 70, 80), "f32"),
+])  # fmt: skip
+def test_decoding_sequences_attend_as_one_group(model: str, lengths: tuple[int, ...], cache_type: str,
+                                                request: pytest.FixtureRequest,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The decoding sequences of a step attend together (`DecodeGroup`: one product over the slots side by side)
+    with the logits of each one's own attention, bit for bit: one past the sliding window, a slot of the range
+    prefilling beside them, then all four decoding."""
+    from tandem.models.cpu_graph import decoder
+
+    path = default_model_path() if model == "bundled" else Path(request.getfixturevalue(model)[1])
+    chunk = 160
+    with tandem.LLM(path, device="cpu", n_ctx=768, threads=2, n_batch=chunk, n_parallel=4,
+                    cache_type=cache_type) as llm:  # fmt: skip
+        prompts = [_prompt(n + 12, n, llm.config.n_vocab) for n in lengths]
+
+        def run(graph: StepGraph) -> list[np.ndarray]:
+            for slot, n in enumerate(lengths):
+                for start in range(0, n, chunk):
+                    graph.run([(slot, start, prompts[slot][start : min(n, start + chunk)])])
+            first = [(slot, n, prompts[slot][n : n + (8 if slot == 1 else 1)]) for slot, n in enumerate(lengths)]
+            steps = [first]  # slot 1 takes a prompt chunk while the others decode
+            steps += [[(slot, n + (8 if slot == 1 else 1) + i, [prompts[slot][n + (8 if slot == 1 else 1) + i]])
+                       for slot, n in enumerate(lengths)] for i in range(3)]  # fmt: skip
+            return [graph.run(pieces).numpy().copy() for pieces in steps]
+
+        groups = []
+
+        def counted(key: decoder.StepKey) -> decoder.DecodeGroup | None:
+            group = decode_group(key)
+            groups.append(group)
+            return group
+
+        decode_group = decoder.decode_group
+        monkeypatch.setattr(decoder, "decode_group", counted)
+        grouped = run(_graphs(llm))
+        used = [(len(g.members), g.n_slots) for g in groups if g is not None]
+        assert (3, 4) in used and (4, 4) in used, used
+        monkeypatch.setattr(decoder, "decode_group", lambda key: None)
+        alone = run(_graphs(llm))
+    for a, b in zip(grouped, alone, strict=True):
+        assert np.array_equal(a, b), f"max |diff| {np.abs(a - b).max()}"
+
+
+def test_one_long_context_keeps_its_own_attention() -> None:
+    """A group whose slot range and key span would compute far more keys than its members read is not made."""
+    from tandem.models.cpu_graph.decoder import decode_group, step_key
+
+    windows = [None]
+    short = step_key([(0, 40, [1]), (1, 50, [1])], windows)
+    group = decode_group(short)
+    assert group is not None and (group.lo, group.n_slots, group.views) == (0, 2, ((0, 64),))
+    assert decode_group(step_key([(0, 4000, [1]), (1, 50, [1]), (2, 30, [1])], windows)) is None
+    assert decode_group(step_key([(0, 40, [1]), (5, 50, [1])], windows)) is None  # four idle slots between
+    assert decode_group(step_key([(0, 40, [1]), (1, 0, [1, 2, 3])], windows)) is None  # one decoding sequence
+
+
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf"])
 def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, request: pytest.FixtureRequest) -> None:

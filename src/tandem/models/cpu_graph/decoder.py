@@ -202,6 +202,38 @@ def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = F
     return StepKey(tuple(seqs), None if every_row else len(seqs))
 
 
+class DecodeGroup(NamedTuple):
+    """The step's decoding sequences (one row each) attending as one batch: slots lo .. lo + n_slots - 1 side by
+    side (the cache's slot stride), per attention kind the key range (first, count) that covers each member's view.
+    A slot of the range without a member computes a row nobody reads; a member's keys outside its own view are
+    masked, which changes no sum (multiples of KV_PAD, probabilities 0), so each member's values are those of its
+    own block."""
+
+    members: tuple[int, ...]  # indices into the step's sequences
+    lo: int
+    n_slots: int
+    views: tuple[tuple[int, int], ...]
+
+
+def decode_group(key: StepKey) -> DecodeGroup | None:
+    """The decoding sequences of the step as one group, or None: fewer than two, or a group whose slot range and
+    key span would compute more than twice the keys its members read (one long context among short ones)."""
+    members = tuple(j for j, s in enumerate(key.seqs) if s.n == 1)
+    if len(members) < 2:
+        return None
+    slots = [key.seqs[j].slot for j in members]
+    lo, n_slots = min(slots), max(slots) - min(slots) + 1
+    views = []
+    for k in range(len(key.seqs[members[0]].blocks[0].views)):
+        spans = [key.seqs[j].blocks[0].views[k] for j in members]
+        first = min(f for f, _ in spans)
+        views.append((first, max(f + n for f, n in spans) - first))
+    read = sum(n for j in members for _, n in key.seqs[j].blocks[0].views)
+    if n_slots * sum(n for _, n in views) > 2 * read:
+        return None
+    return DecodeGroup(members, lo, n_slots, tuple(views))
+
+
 @dataclass(eq=False)
 class StepInputs:
     """The host buffers a step program's leaves read, filled per call (`fill`)."""
@@ -211,8 +243,9 @@ class StepInputs:
     rows16: np.ndarray  # [T] int32: each row's row in the f16 pool (slot * R + position)
     rows32: np.ndarray  # [T] int32: in the float32 copies (slot * C + position)
     vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
-    masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf
+    masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf (none: the group's)
     logit_rows: np.ndarray | None  # [B] int32
+    group: GroupInputs | None
     _lanes: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     def fill(self, pieces: Pieces, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
@@ -228,8 +261,11 @@ class StepInputs:
                 self.rows16[o : o + n] = self.positions[o : o + n] + slot * rows  # below 2^31 (`unsupported`)
                 self.rows32[o : o + n] = self.positions[o : o + n] + slot * rows32
             for block in seq.blocks:
-                self._mask(block, start + block.offset - o, windows, self.masks[n_blocks])
+                if self.masks[n_blocks]:
+                    self._mask(block, start + block.offset - o, windows, self.masks[n_blocks])
                 n_blocks += 1
+        if self.group is not None:
+            self.group.fill([pieces[j][1] for j in self.group.shape.members], windows)
         slots = (self.rows32 // rows32).astype(np.int64)
         for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
             lanes = self._lanes.get((g * dv, rows32))
@@ -254,6 +290,52 @@ class StepInputs:
             if window is not None:
                 allowed &= distance < window
             mask[allowed] = 0.0
+
+
+@dataclass(eq=False)
+class GroupInputs:
+    """The host buffers of a DecodeGroup: the step row each slot of its range takes its query from, the row of the
+    group's output each member takes back and the member's row of the step (both fixed by the step's shape), and
+    per kind the mask [n_slots, 1, 1, S], filled per call."""
+
+    shape: DecodeGroup
+    query_rows: np.ndarray  # [n_slots] int32
+    output_rows: np.ndarray  # [members] int32
+    step_rows: np.ndarray  # [members] int32
+    masks: list[np.ndarray]  # per kind [n_slots, 1, 1, S] float32, 0 or -inf
+
+    @classmethod
+    def of(cls, group: DecodeGroup, key: StepKey) -> GroupInputs:
+        query_rows = np.zeros(group.n_slots, dtype=np.int32)
+        output_rows = np.zeros(len(group.members), dtype=np.int32)
+        step_rows = np.zeros(len(group.members), dtype=np.int32)
+        for i, j in enumerate(group.members):
+            seq = key.seqs[j]
+            output_rows[i] = seq.slot - group.lo
+            query_rows[seq.slot - group.lo] = step_rows[i] = seq.offset
+        masks = [np.full((group.n_slots, 1, 1, n_keys), -np.inf, dtype=np.float32) for _, n_keys in group.views]
+        for mask in masks:  # a slot of the range without a member: one key, so that its row stays finite
+            mask[:, 0, 0, 0] = 0.0
+        return cls(group, query_rows, output_rows, step_rows, masks)
+
+    def fill(self, starts: Sequence[int], windows: Sequence[int | None]) -> None:
+        """Each member's row of the masks: the keys up to its position (in its window)."""
+        for row, start in zip(self.output_rows, starts, strict=True):
+            for (first, _), window, mask in zip(self.shape.views, windows, self.masks, strict=True):
+                keys = mask[row, 0, 0]
+                keys.fill(-np.inf)
+                keys[(0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
+
+
+@dataclass(eq=False)
+class _GroupLeaves:
+    """A decode group's inputs as the graph's leaves (GroupInputs)."""
+
+    shape: DecodeGroup
+    query_rows: Tensor
+    output_rows: Tensor
+    step_rows: Tensor
+    masks: list[Tensor]
 
 
 @dataclass(eq=False)
@@ -288,15 +370,18 @@ class _StepBuilder:
         t = key.n_tokens
         self.kinds = {w: i for i, w in enumerate(windows)}
         geometries = {(blk.mixer.shape.n_kv_heads, blk.mixer.shape.value_dim) for blk in model.blocks}
+        group = decode_group(key)
         self.inputs = StepInputs(
             ids=np.zeros(t, dtype=np.int32),
             positions=np.zeros(t, dtype=np.int32),
             rows16=np.zeros(t, dtype=np.int32),  # get_rows takes int32 row numbers
             rows32=np.zeros(t, dtype=np.int32),
             vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
-            masks=[[np.zeros((q.n, q.views[k][1]), dtype=np.float32) for k in range(len(windows))]
-                   for s in key.seqs for q in s.blocks],  # fmt: skip
+            masks=[[] if group is not None and j in group.members else
+                   [np.zeros((q.n, q.views[k][1]), dtype=np.float32) for k in range(len(windows))]
+                   for j, s in enumerate(key.seqs) for q in s.blocks],  # fmt: skip
             logit_rows=None if key.n_logits is None else np.zeros(key.n_logits, dtype=np.int32),
+            group=None if group is None else GroupInputs.of(group, key),
         )
         b, i = self.b, self.inputs
         self.ids, self.pos = b.array(i.ids), b.array(i.positions)
@@ -304,6 +389,9 @@ class _StepBuilder:
         self.vt_index = {gd: b.array(a) for gd, a in i.vt_index.items()}
         self.masks = [[b.array(m) for m in masks] for masks in i.masks]
         self.logit_rows = None if i.logit_rows is None else b.array(i.logit_rows)
+        self.group = None if i.group is None else _GroupLeaves(
+            i.group.shape, b.array(i.group.query_rows), b.array(i.group.output_rows), b.array(i.group.step_rows),
+            [b.array(m) for m in i.group.masks])
         self.cache_leaves = [self._cache_leaves(c) for c in caches]
 
     def build(self) -> StepProgram:
@@ -382,10 +470,13 @@ class _StepBuilder:
         self._store(i, k, v, g, dv)
         kind = self.kinds[self.windows[i]]
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
-        blocks = [(seq.slot, block) for seq in self.key.seqs for block in seq.blocks]
-        # the blocks' outputs [Dv, H, N] go to their rows of one [H*Dv, T] tensor (a single block's is that tensor)
-        attn = None if len(blocks) == 1 else self.b.scratch(ggml.GGML_TYPE_F32, (dv * nh, t))
-        for j, (slot, block) in enumerate(blocks):
+        members = () if self.group is None else self.group.shape.members
+        blocks = [(j, seq.slot, block) for j, seq in enumerate(self.key.seqs) for block in seq.blocks]
+        # the blocks' outputs [Dv, H, N] and the group's go to their rows of one [H*Dv, T] tensor
+        parts: list[tuple[int, int, Tensor]] = []  # (first row, or -1 for the group; rows; output)
+        for n_block, (j, slot, block) in enumerate(blocks):
+            if j in members:
+                continue
             qs = ggml.ggml_view_3d(ctx, q, hd, nh, block.n, nb1, nb2, block.offset * nb2)  # the block's rows
             if scale_queries:
                 qs = ggml.ggml_scale(ctx, qs, s.scale)
@@ -393,20 +484,54 @@ class _StepBuilder:
             # contiguous; with an f16 cache rounded to f16, as llama.cpp's f16 product converts its queries
             qs = self._f16(qs) if f16 else ggml.ggml_cont(ctx, qs)
             first, n_keys = block.views[kind]
-            keys, values_t = self._cache_views(i, slot, first, n_keys, g, hd, dv)
+            keys, values_t = self._cache_views(i, slot, first, n_keys, 1, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
-            kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[j][kind], float(kq_scale), 0.0)
+            kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[n_block][kind], float(kq_scale), 0.0)
             if f16:  # the probabilities too
                 kq = self._f16(kq)
             out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
-            # [Dv, H, N]: for one row the same memory, else a permuted copy
+            # [Dv, H, N]: for one row the same memory, else a permuted view
             out = ggml.ggml_reshape_3d(ctx, out, dv, nh, 1) if block.n == 1 else ggml.ggml_permute(ctx, out, 0, 2, 1, 3)
-            if attn is None:
-                attn = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, out) if block.n > 1 else out, dv * nh, block.n)
+            parts.append((block.offset, block.n, out))
+        if self.group is not None:  # its rows [Dv*H, members]: the step's when every sequence is a member
+            parts.append((-1, len(members), self._group_attention(i, q, kind, scale_queries, kq_scale, f16)))
+        if len(parts) == 1 and parts[0][1] == t:  # one block, or the group, of every row
+            offset, _, out = parts[0]
+            if offset == 0 and t > 1:
+                out = ggml.ggml_cont(ctx, out)
+            return self._linear(m.o, ggml.ggml_reshape_2d(ctx, out, dv * nh, t))
+        attn = self.b.scratch(ggml.GGML_TYPE_F32, (dv * nh, t))
+        for offset, n, out in parts:
+            if offset < 0:  # the group's rows, each to its member's row of the step
+                assert self.group is not None
+                self.b.expand(ggml.ggml_set_rows(ctx, attn, out, self.group.step_rows))
             else:
-                rows = ggml.ggml_view_3d(ctx, attn, dv, nh, block.n, 4 * dv, 4 * dv * nh, 4 * dv * nh * block.offset)
+                rows = ggml.ggml_view_3d(ctx, attn, dv, nh, n, 4 * dv, 4 * dv * nh, 4 * dv * nh * offset)
                 self.b.expand(ggml.ggml_cpy(ctx, out, rows))
         return self._linear(m.o, attn)  # [D, T]
+
+    def _group_attention(
+        self, i: int, q: Tensor, kind: int, scale_queries: bool, kq_scale: float, f16: bool
+    ) -> Tensor:
+        """The decode group's attention (DecodeGroup): each slot of its range with its member's query, over the
+        range's keys, as the members' blocks compute it one by one -> [Dv*H, members], in the members' order."""
+        ctx, s, group = self.ctx, self.model.blocks[i].mixer.shape, self.group
+        assert group is not None
+        hd, dv, nh, g, n = s.head_dim, s.value_dim, s.n_heads, s.n_kv_heads, group.shape.n_slots
+        qs = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, q, hd * nh, self.key.n_tokens), group.query_rows)
+        qs = ggml.ggml_reshape_4d(ctx, qs, hd, 1, nh, n)  # [Hd, 1, H, slots]
+        if scale_queries:
+            qs = ggml.ggml_scale(ctx, qs, s.scale)
+        if f16:
+            qs = self._f16(qs)
+        first, n_keys = group.shape.views[kind]
+        keys, values_t = self._cache_views(i, group.shape.lo, first, n_keys, n, g, hd, dv)
+        kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, 1, H, slots]
+        kq = ggml.ggml_soft_max_ext(ctx, kq, group.masks[kind], float(kq_scale), 0.0)
+        if f16:
+            kq = self._f16(kq)
+        out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, 1, H, slots]
+        return ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, out, dv * nh, n), group.output_rows)
 
     def _f16(self, x: Tensor) -> Tensor:
         """x's values rounded to f16, as a contiguous float32 tensor."""
@@ -437,15 +562,16 @@ class _StepBuilder:
         b.expand(ggml.ggml_set_rows(ctx, vt32, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
 
     def _cache_views(
-        self, i: int, slot: int, first: int, n_keys: int, g: int, hd: int, dv: int
+        self, i: int, slot: int, first: int, n_keys: int, n_slots: int, g: int, hd: int, dv: int
     ) -> tuple[Tensor, Tensor]:
-        """Keys [Hd, S, G] and transposed values [S, Dv, G] of positions first .. first + S - 1 of `slot`'s float32
-        copies (strided views, as `ggml_attention` reads the cache)."""
+        """Keys [Hd, S, G, slots] and transposed values [S, Dv, G, slots] of positions first .. first + S - 1 of the
+        float32 copies of slots slot .. slot + n_slots - 1 (strided views, as `ggml_attention` reads the cache)."""
         ctx, c = self.ctx, self.caches[i]
         _, _, k32, vt32 = self.cache_leaves[i]
         rows = c.rows32
-        keys = ggml.ggml_view_3d(ctx, k32, hd, n_keys, g, 4 * hd * g, 4 * hd, 4 * hd * g * (slot * rows + first))
-        values_t = ggml.ggml_view_3d(ctx, vt32, n_keys, dv, g, 4 * rows, 4 * rows * dv,
+        keys = ggml.ggml_view_4d(ctx, k32, hd, n_keys, g, n_slots, 4 * hd * g, 4 * hd, 4 * hd * g * rows,
+                                 4 * hd * g * (slot * rows + first))  # fmt: skip
+        values_t = ggml.ggml_view_4d(ctx, vt32, n_keys, dv, g, n_slots, 4 * rows, 4 * rows * dv, 4 * rows * dv * g,
                                      4 * (slot * g * dv * rows + first))  # fmt: skip
         return keys, values_t
 
