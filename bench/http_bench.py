@@ -22,7 +22,12 @@ the next.
 Per server and N, over all its rounds: TTFT (send to the first streamed text) p50 and p99; per-stream decode tok/s
 (the median over streams of (tokens - 1) / (last text - first text)); aggregate decode tok/s (per round: the
 tokens after each stream's first over the time from the first stream's first token to the last stream's last,
-the median over rounds); end-to-end tok/s (all tokens over the round's whole time, prefill included). Tokens are
+the median over rounds); all-N decoding tok/s (per round: the tokens streamed while every stream decodes, from
+the last stream's first token to the first stream's last, over that time; the median over rounds: the aggregate's
+window holds the prefill of the streams that start later where a server streams each as soon as its prompt is
+done, as tandem's chunked prefill does, and not where it computes every prompt first, as llama-server's batch of
+-b 2048 tokens does; this one compares N streams decoding at once alone); end-to-end tok/s (all tokens over the
+round's whole time, prefill included). Tokens are
 the usage's completion_tokens (else the streamed chunks). Writes OUT/http.json (after every round) and
 OUT/http.md, and prints the table; the servers' logs are OUT/server_tandem.log and OUT/server_llama.cpp.log.
 """
@@ -68,6 +73,7 @@ class Stream:
     first: float | None = None  # the first chunk with text
     last: float | None = None  # the last chunk with text
     chunks: int = 0  # chunks with text
+    times: list[float] = field(default_factory=list)  # when each chunk with text came
     completion_tokens: int | None = None  # from usage
     prompt_tokens: int | None = None
     finish_reason: str | None = None
@@ -108,6 +114,20 @@ class Round:
         return tokens / (end - start) if end > start and tokens > 0 else None
 
     @property
+    def all_decoding_tps(self) -> float | None:
+        """Tokens per second while every stream of the round decodes: from the last stream's first token to the
+        first stream's last one (None when they do not overlap); a stream's tokens in that window are its chunks
+        there times its tokens per chunk."""
+        ok = self.ok
+        if len(ok) < len(self.streams) or not ok:
+            return None
+        start, end = max(s.first or math.inf for s in ok), min(s.last or 0.0 for s in ok)
+        if end <= start:
+            return None
+        tokens = sum(sum(start < t <= end for t in s.times) * s.tokens / s.chunks for s in ok)
+        return tokens / (end - start) if tokens > 0 else None
+
+    @property
     def e2e_tps(self) -> float | None:
         ok = self.ok
         if len(ok) < len(self.streams) or not ok:
@@ -135,6 +155,7 @@ class Row:
     ttft_p99_ms: float | None = None
     stream_tps: float | None = None
     agg_tps: float | None = None
+    all_tps: float | None = None
     e2e_tps: float | None = None
 
 
@@ -169,6 +190,8 @@ def summarize(server: str, n: int, rounds: list[Round], asked: int) -> Row:
     row.stream_tps = statistics.median(tps) if tps else None
     agg = [t for r in rounds if (t := r.decode_tps) is not None]
     row.agg_tps = statistics.median(agg) if agg else None
+    every = [t for r in rounds if (t := r.all_decoding_tps) is not None]
+    row.all_tps = statistics.median(every) if every else None
     e2e = [t for r in rounds if (t := r.e2e_tps) is not None]
     row.e2e_tps = statistics.median(e2e) if e2e else None
     return row
@@ -236,6 +259,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                         s.first = s.first or now
                         s.last = now
                         s.chunks += 1
+                        s.times.append(now)
                     if choice.get("finish_reason"):
                         s.finish_reason = choice["finish_reason"]
                 usage = chunk.get("usage")
@@ -373,7 +397,7 @@ def report(args: argparse.Namespace, servers: list[Server], rows: list[Row], not
     for n in args.concurrency:
         t, ll = by.get((TANDEM, n)), by.get((LLAMA, n))
         if t and ll:
-            keys = ("agg_tps", "stream_tps", "e2e_tps", "ttft_p50_ms", "ttft_p99_ms")
+            keys = ("agg_tps", "all_tps", "stream_tps", "e2e_tps", "ttft_p50_ms", "ttft_p99_ms")
             ratios.append({"n": n, **{k: _ratio(getattr(t, k), getattr(ll, k)) for k in keys}})
     config = {k: v for k, v in vars(args).items() if k not in ("out",)}
     config["commands"] = {s.name: shlex.join(s.cmd) if s.cmd else s.url for s in servers}
@@ -404,23 +428,25 @@ def markdown(rep: dict[str, Any]) -> str:
         f"HTTP streaming: {cfg['endpoint']}, prompt {cfg['prompt_tokens']} tokens, max_tokens {cfg['max_tokens']}, "
         f"{cfg['reps']} rounds per N, model {model}",
         "",
-        "| N | server | agg decode tok/s | per-stream tok/s | e2e tok/s | TTFT p50 ms | TTFT p99 ms | tokens/stream "
-        "| prompt tok | errors |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| N | server | agg decode tok/s | all N decoding tok/s | per-stream tok/s | e2e tok/s | TTFT p50 ms "
+        "| TTFT p99 ms | tokens/stream | prompt tok | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ratios = {r["n"]: r for r in rep["ratios"]}
     for n in cfg["concurrency"]:
         for r in (r for r in rep["rows"] if r["n"] == n):
             toks = _tokens(r)
             lines.append(
-                f"| {n} | {r['server']} | {_f(r['agg_tps'])} | {_f(r['stream_tps'])} | {_f(r['e2e_tps'])} "
+                f"| {n} | {r['server']} | {_f(r['agg_tps'])} | {_f(r['all_tps'])} | {_f(r['stream_tps'])} "
+                f"| {_f(r['e2e_tps'])} "
                 f"| {_f(r['ttft_p50_ms'])} | {_f(r['ttft_p99_ms'])} | {toks} | {r['prompt_tokens'] or '-'} "
                 f"| {r['errors']}/{r['streams']} |"
             )
         if n in ratios:
             q = ratios[n]
             lines.append(
-                f"| {n} | tandem ÷ llama.cpp | {_f(q['agg_tps'], 2)}× | {_f(q['stream_tps'], 2)}× "
+                f"| {n} | tandem ÷ llama.cpp | {_f(q['agg_tps'], 2)}× | {_f(q['all_tps'], 2)}× "
+                f"| {_f(q['stream_tps'], 2)}× "
                 f"| {_f(q['e2e_tps'], 2)}× | {_f(q['ttft_p50_ms'], 2)}× | {_f(q['ttft_p99_ms'], 2)}× | | | |"
             )
     if ratios:

@@ -24,7 +24,9 @@ def test_percentile_is_linear_between_ranks() -> None:
 
 
 def _finished(first: float, last: float) -> hb.Stream:
-    return hb.Stream(sent=0.0, first=first, last=last, chunks=8, completion_tokens=9, prompt_tokens=20,
+    """9 tokens in 8 chunks, evenly from `first` to `last`."""
+    times = [first + (last - first) * k / 7 for k in range(8)]
+    return hb.Stream(sent=0.0, first=first, last=last, chunks=8, times=times, completion_tokens=9, prompt_tokens=20,
                      finish_reason="length")  # fmt: skip
 
 
@@ -35,6 +37,9 @@ def test_round_and_row_arithmetic() -> None:
     assert a.ttft == 1.0 and a.decode_tps == 2.0  # 8 tokens after the first in 4 s
     assert r.decode_tps == 16 / 5  # 16 tokens after the firsts, from the first first (1) to the last last (6)
     assert r.e2e_tps == 18 / 6
+    # both decode from 2 (b's first) to 5 (a's last): a's chunks 3..8 and b's 2..6 came then, 9/8 tokens each
+    assert r.all_decoding_tps == pytest.approx((6 + 5) * 9 / 8 / 3)
+    assert hb.Round([_finished(1.0, 2.0), _finished(3.0, 4.0)]).all_decoding_tps is None  # never both at once
     row = hb.summarize("tandem", 2, [r], asked=9)
     assert (row.streams, row.errors, row.tokens_min, row.tokens_max, row.prompt_tokens) == (2, 0, 9, 9, 20)
     assert row.ttft_p50_ms == 1500.0 and row.ttft_p99_ms == pytest.approx(1990.0)
@@ -42,7 +47,7 @@ def test_round_and_row_arithmetic() -> None:
     failed = hb.Round([a, hb.Stream(sent=0.0, error="HTTP 503: busy")])
     assert failed.decode_tps is None  # a round with a failed stream has no aggregate
     bad = hb.summarize("tandem", 2, [failed], asked=9)
-    assert bad.errors == 1 and bad.first_error == "HTTP 503: busy" and bad.agg_tps is None
+    assert bad.errors == 1 and bad.first_error == "HTTP 503: busy" and bad.agg_tps is None and bad.all_tps is None
 
 
 def test_server_command_adds_what_is_missing() -> None:
@@ -79,7 +84,7 @@ def test_http_bench_against_tandem_serve(tmp_path: Path) -> None:
         assert r["prompt_tokens"] == 24
         assert r["finish_reasons"] == {"length": n}
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert r["stream_tps"] > 0 and r["agg_tps"] > 0 and r["e2e_tps"] > 0
+        assert r["stream_tps"] > 0 and r["agg_tps"] > 0 and r["all_tps"] > 0 and r["e2e_tps"] > 0
     assert rep["ratios"] == []  # one server: nothing side by side
     md = (out / "http.md").read_text()
     assert "| 2 | tandem |" in md and md in p.stdout
