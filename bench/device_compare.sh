@@ -98,8 +98,8 @@
 #   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
 #     by stage, and torch's segments by the line that made them)
-#   HOT="static uniform drift" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
-#     qwen3-30b-a3b models with skewed routing, its models synthesised and their statistics recorded while
+#   HOT="static uniform drift long" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
+#     qwen3-30b-a3b models with skewed routing, and the budget's peak VRAM with a prompt past -b; its models synthesised and their statistics recorded while
 #     llama.cpp builds, or with a carried build each step's just before its runs; HOT_BUDGET=10GiB
 #     HOT_CACHE=8GiB HOT_LAYERS=24 HOT_STEP_S=150 HOT_REPS=3, each run bounded by DEADLINE_S, see the script; its reports come back in $OUT/hot_reports.tar.gz). MODELS="qwen3-30b-a3b"
 #     MATRIX=none runs it alone. A second call on the still-warm machine (the same command within ~30 s) finds the

@@ -17,6 +17,8 @@
 #            device_compare.sh runs it while llama.cpp builds)
 #   drift    zipf:1.0,drift:4 model: tandem bench --drift (teacher-forced decode, the hot set moving every
 #            $HOT_DRIFT tokens) with a placement fixed from phase 0's statistics, and with --moe-cache-refresh
+#   long     the plain model at --gpu-memory $HOT_BUDGET with a prompt of HOT_LONG_PP (4096) tokens, longer than -b:
+#            its later chunks' masked attention, whose peak VRAM (the report's, the driver's) the budget must hold
 # Every report lands in /tmp/hot/NAME (tables printed); the stats files beside the models. A run that ended well
 # with its whole HOT_STEP_S (an earlier call on the same warm machine) is not run again (`bounded`), nor a recording
 # whose statistics file exists: a call cut short is resumed by the next. HOT_DEADLINE (seconds since the epoch) bounds
@@ -38,6 +40,7 @@ DRIFT_TG="${HOT_DRIFT_TG:-2048}"
 REFRESH="${HOT_REFRESH:-16}"
 DEADLINE="${HOT_DEADLINE:-}"
 MIN_S="${HOT_MIN_S:-60}"
+LONG_PP="${HOT_LONG_PP:-4096}"
 work=/tmp/hot
 mkdir -p "$work" "$MODEL_DIR"
 t0=$(date +%s)
@@ -183,6 +186,13 @@ for step in "$@"; do
         grep -vE "Warning|warn\(" "$work/drift-$mode.out" | tail -40
       done
       ;;
-    *) say "unknown step '$step' (static, uniform, drift)" ;;
+    long)
+      u=$(model "${routing_of[uniform]}") || continue
+      say "long: a prompt of $LONG_PP tokens (chunks of -b 512 after the first) at --gpu-memory $BUDGET"
+      bounded long-prompt timed bench -m "$u" --device cuda -t "$THREADS" --gpu-memory "$BUDGET" \
+        -c "$((LONG_PP + 64))" --pp "$LONG_PP" --tg 16 --reps 1 --report "$work/long-prompt" || continue
+      grep '^|' "$work/long-prompt/report.md" 2>/dev/null || tail -5 "$work/long-prompt.out"
+      ;;
+    *) say "unknown step '$step' (static, uniform, drift, long)" ;;
   esac
 done
