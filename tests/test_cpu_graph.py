@@ -175,6 +175,18 @@ def test_one_long_context_keeps_its_own_attention() -> None:
     assert decode_group(step_key([(0, 40, [1]), (1, 0, [1, 2, 3])], windows)) is None  # one decoding sequence
 
 
+def test_a_group_keeps_its_program_while_its_members_move() -> None:
+    """A decode group's step shape is its span, not its members' own views: the steps of sequences that move inside
+    the same keys share one program, a member crossing the span's end makes another."""
+    from tandem.models.cpu_graph.decoder import step_key
+
+    windows = [None, 16]
+    key = step_key([(0, 70, [1]), (1, 100, [1]), (2, 20, [1])], windows)
+    assert key == step_key([(0, 71, [1]), (1, 110, [1]), (2, 63, [1])], windows)
+    assert key != step_key([(0, 71, [1]), (1, 128, [1]), (2, 63, [1])], windows)  # 128: the keys past 127
+    assert key.seqs[2].blocks[0].views == ((0, 128), (0, 128))  # the group's span, a member's view within it
+
+
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf"])
 def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, request: pytest.FixtureRequest) -> None:

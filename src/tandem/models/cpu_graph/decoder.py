@@ -199,7 +199,16 @@ def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = F
         seqs.append(SeqKey(slot, n_seq, offset, tuple(blocks)))
         offset += n_seq
     every_row = all_logits or all(s.n == 1 for s in seqs)
-    return StepKey(tuple(seqs), None if every_row else len(seqs))
+    key = StepKey(tuple(seqs), None if every_row else len(seqs))
+    group = decode_group(key)
+    if group is None:
+        return key
+    # Once they attend as a group, the members' own views no longer shape the graph (their masks say which keys each
+    # sees): one program serves every step whose group spans the same keys, wherever each member is in it.
+    return key._replace(seqs=tuple(
+        s._replace(blocks=(s.blocks[0]._replace(views=group.views),)) if j in group.members else s
+        for j, s in enumerate(key.seqs)
+    ))  # fmt: skip
 
 
 class DecodeGroup(NamedTuple):
