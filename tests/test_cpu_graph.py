@@ -215,27 +215,25 @@ def synth_qwen3moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synthesize("qwen3-30b-a3b", tmp_path_factory.mktemp("graph-moe") / "q.gguf", layers=1, fill="random").path
 
 
-def test_graphs_multiply_q4k_experts_from_repacked_copies(synth_qwen3moe: Path) -> None:
-    """As llama.cpp's CPU backend holds a CPU-only model's experts: the graphs read ggml's repacked copies of the
-    Q4_K stacks (made when they are set up, the layer path's stacks left in the file), and their logits are the
-    layer path's with --repack-experts (the same kernels) up to the graphs' own routing and SwiGLU ops."""
+@pytest.mark.parametrize("repack", [None, False])
+def test_graphs_multiply_the_experts_the_loader_holds(synth_qwen3moe: Path, repack: bool | None) -> None:
+    """As llama.cpp's CPU backend holds a CPU-only model's experts: by default the loader copies the Q4_K stacks
+    into ggml's repacked layout and the graphs read those copies (no second one); with --no-repack-experts both read
+    the file's blocks. Either way the graphs' logits are the layer path's with the same stacks (the same kernels) up
+    to the graphs' own routing and SwiGLU ops."""
     if not ggml.ggml_cpu_has_avx2():
         pytest.skip("ggml repacks Q4_K only with AVX2")
     prompt = [2, 300, 1000, 77, 5, 4096, 12, 9000, 31, 64, 128, 7]
-    with tandem.LLM(synth_qwen3moe, device="cpu", n_ctx=64, threads=2, repack_experts=True) as llm:
+    with tandem.LLM(synth_qwen3moe, device="cpu", n_ctx=64, threads=2, repack_experts=repack) as llm:
         ref = _run(llm, None, prompt, 3)
-    with tandem.LLM(synth_qwen3moe, device="cpu", n_ctx=64, threads=2) as llm:
         graph = _graphs(llm)
         moe = llm.model.blocks[0].ffn
         assert isinstance(moe, MoE)
         layer_ffn, graph_ffn = moe.experts._graph[1], graph.experts[id(moe)]  # type: ignore[union-attr]
         for stack in ("gate", "up", "down"):  # gate and up Q4_K; down Q4_K or Q6_K (not repacked on x86)
-            theirs, ours = getattr(layer_ffn, stack), getattr(graph_ffn, stack)
-            assert theirs.repacked is None and ours.data is theirs.data, stack
-            if theirs.qtype == Q.Q4_K:
-                assert ours.repacked is not None, stack
-            else:
-                assert ours is theirs, stack
+            w = getattr(layer_ffn, stack)
+            assert getattr(graph_ffn, stack) is w, stack
+            assert (w.repacked is not None) == (repack is None and w.qtype == Q.Q4_K), stack
         ours = _run(llm, graph, prompt, 3)
     scale = float(np.abs(ref).max())
     np.testing.assert_allclose(ours, ref, atol=1e-4 * scale, rtol=0)

@@ -38,7 +38,9 @@ def test_the_q4k_stacks_are_repacked_on_a_pool(expert_stacks, monkeypatch) -> No
     q4k = [i for i in expert_stacks if i.qtype.name == "Q4_K"]
     repacks = ExpertRepacks(expert_stacks, enabled=True, threads=2)
     assert repacks.copy_bytes == sum(i.n_bytes for i in q4k) > 0
-    assert repacks.notice == f"--repack-experts: {repacks.copy_bytes >> 20} MiB of expert stacks repacked in host RAM"
+    assert repacks.notice == (
+        f"{repacks.copy_bytes >> 20} MiB of expert stacks repacked in host RAM for ggml's interleaved kernels"
+    )
     weights = {i.name: repacks.weight(i) for i in expert_stacks}
     assert all((weights[i.name].repacked is not None) == (i.qtype.name == "Q4_K") for i in expert_stacks)
     assert sum(w.repacked.nbytes for w in weights.values() if w.repacked is not None) == repacks.copy_bytes
@@ -51,3 +53,19 @@ def test_without_the_flag_the_file_blocks(expert_stacks) -> None:  # type: ignor
     for info in expert_stacks:
         w = repacks.weight(info)
         assert w.repacked is None and w.data is info.data
+
+
+@pytest.mark.parametrize("flag, repacked", [(None, True), (True, True), (False, False)])
+def test_a_model_on_the_cpu_repacks_by_default(tmp_path, flag, repacked) -> None:  # type: ignore[no-untyped-def]
+    """Where the whole model computes on the CPU its expert stacks are repacked unless --no-repack-experts says not,
+    as llama.cpp's CPU backend holds them (beside a GPU the default is off: tests/test_gpu_offload.py's runs)."""
+    if not ggml.ggml_cpu_has_avx2():
+        pytest.skip("ggml repacks Q4_K only with AVX2")
+    import tandem
+
+    path = synthesize("qwen3.6-35b-a3b", tmp_path / "q.gguf", layers=1, fill="random").path
+    with tandem.LLM(path, device="cpu", n_ctx=64, threads=2, repack_experts=flag) as llm:
+        notices = [n for n in llm.notices if "expert stacks repacked" in n]
+        assert len(notices) == int(repacked), llm.notices
+        logits = llm.engine.append([1, 2, 3])
+        assert bool(logits.isfinite().all())

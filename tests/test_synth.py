@@ -210,24 +210,24 @@ def test_cli_writes_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_repacked_experts_give_the_same_logits(model: SynthResult, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--repack-experts: the CPU expert stacks that ggml repacks (Q4_K on x86) are multiplied from the copy,
-    with the same results up to float32 accumulation order; the notice says how much RAM the copies take. On the
-    layer path (the CPU step graphs repack a MoE model's stacks themselves: tests/test_cpu_graph.py)."""
+    """--repack-experts (the default on the CPU alone): the CPU expert stacks that ggml repacks (Q4_K on x86) are
+    multiplied from the copy, with the same results up to float32 accumulation order; the notice says how much RAM
+    the copies take. On the layer path (the CPU step graphs read the same copies: tests/test_cpu_graph.py)."""
     from tandem.models.cpu_graph import SWITCH_ENV
 
     monkeypatch.setenv(SWITCH_ENV, "0")
 
     ids = [300, 1000, 77, 5]
-    with tandem.LLM(model.path, device="cpu", threads=2, n_ctx=64) as llm:
+    with tandem.LLM(model.path, device="cpu", threads=2, n_ctx=64, repack_experts=False) as llm:
         plain = llm.logits(ids)
-    with tandem.LLM(model.path, device="cpu", threads=2, n_ctx=64, repack_experts=True) as llm:
+    with tandem.LLM(model.path, device="cpu", threads=2, n_ctx=64) as llm:  # on the CPU alone: repacked by default
         repacked = llm.logits(ids)
-        notice = next(n for n in llm.notices if n.startswith("--repack-experts"))
+        notice = next(n for n in llm.notices if "expert stacks repacked" in n)
         graphs = [getattr(b.ffn, "sparse", b.ffn).experts._graph for b in llm.model.blocks]
         fields = ("gate", "up", "gate_up", "down")
         copies = [w.repacked for _, ffn in graphs for f in fields if (w := getattr(ffn, f)) is not None]
         assert copies[0] is not None, "the first layer's input stack was not repacked"
-        assert int(notice.split(": ")[1].split(" MiB")[0]) == sum(c.nbytes for c in copies if c) >> 20
+        assert int(notice.split(" MiB")[0]) == sum(c.nbytes for c in copies if c) >> 20
         # Layer 0's experts from its copies, from the file's blocks, and with layer 1's copy of the input
         # stack in place of its own: the copy is what is read (the last is far off, > 0.1), and it is the same
         # experts (close). The repacked kernels sum a row's blocks in another order (~2e-7 relative) and now and

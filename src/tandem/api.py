@@ -122,7 +122,7 @@ class LLM:
         dtype: str | None = None,
         cuda_graphs: bool = True,
         progress: Callable[[int, int], None] | None = None,
-        repack_experts: bool = False,
+        repack_experts: bool | None = None,
         pcie_experts: int = 0,
         moe_cache: str | int | None = None,
         expert_stats: str | os.PathLike[str] | None = None,
@@ -140,8 +140,9 @@ class LLM:
         progress(done, total) is called with bytes as tensors are loaded. cuda_graphs: replay the one-token decode
         step as CUDA graphs (split around CPU experts) instead of launching its kernels one by one. repack_experts:
         copy the Q4_K expert stacks computed on the CPU into ggml's repacked layout where ggml repacks them on this
-        CPU (host RAM equal to those stacks; no decode gain measured on the GPU machine; llama.cpp leaves
-        `--cpu-moe` experts in the file). pcie_experts: K > 0 has the GPU compute the last K of each decode token's
+        CPU (host RAM equal to those stacks); None, the default: where the whole model computes on the CPU, as
+        llama.cpp's CPU backend does, not beside a GPU (no decode gain measured there; llama.cpp leaves `--cpu-moe`
+        experts in the file). pcie_experts: K > 0 has the GPU compute the last K of each decode token's
         selected experts kept in host RAM, reading their blocks there over PCIe (no copy, no VRAM) while the CPU
         computes the others (weights/offload.py); 0, the default, leaves them all to the CPU, as llama.cpp does.
         moe_cache: VRAM (bytes, or a size such as "8GiB") for single experts of the layers kept in host RAM
@@ -197,7 +198,7 @@ class LLM:
                 path=str(self.file.path), device=request.device, tp=request.tp, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
                 override_tensor=tuple(override_tensor or ()), gpu_memory=request.gpu_memory,
                 n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_batch=n_batch, n_parallel=n_parallel, cache_type=cache_type,
-                dtype=dtype, repack_experts=repack_experts,
+                dtype=dtype, repack_experts=bool(repack_experts),
             )  # fmt: skip
             self.tp = TensorParallel.start(
                 self.file, self.config, options, threads if threads and threads > 0 else None, pcie_experts
@@ -219,6 +220,8 @@ class LLM:
             torch.set_num_threads(self.threads)
             initialise_vector_math()
             on_tensor = _progress(self.plan, progress)
+            if repack_experts is None:
+                repack_experts = self.plan.compute_device == "cpu"
             loader = WeightLoader(
                 self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts,
                 pcie_experts=pcie_experts,

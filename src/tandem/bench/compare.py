@@ -278,7 +278,7 @@ class Comparison:
             common += ["--deadline", f"{deadline:.3f}"]
         if engine == "tandem":
             dtype = ["--dtype", s.dtype] if s.dtype else []  # tandem's GPU compute type; llama.cpp has its own
-            own = ["--repack-experts"] if s.repack_experts else []  # tandem's own options
+            own = [] if s.repack_experts is None else [f"--{'' if s.repack_experts else 'no-'}repack-experts"]
             if i in self.pcie_rows:
                 own += ["--pcie-experts", str(s.pcie_experts)]
             if s.expert_stats is not None:
@@ -456,7 +456,7 @@ def settings_from_args(args: Any) -> BenchSettings:
         timeout_s=args.timeout,
         budget_s=args.budget,
         dtype=getattr(args, "dtype", None),
-        repack_experts=getattr(args, "repack_experts", False),
+        repack_experts=getattr(args, "repack_experts", None),
         pcie_experts=getattr(args, "pcie_experts", 0),
         expert_stats=getattr(args, "expert_stats", None),
         process_reps=getattr(args, "process_reps", None),

@@ -157,7 +157,7 @@ class BenchSettings:
     budget_s: float | None = None  # all the worker processes together
     dtype: str | None = None  # tandem's --dtype (GPU compute type), passed through when given
     process_reps: int | None = None  # repetitions per worker process (None: the reps in two processes per engine)
-    repack_experts: bool = False  # tandem's --repack-experts (llama.cpp keeps --cpu-moe experts in the file)
+    repack_experts: bool | None = None  # tandem's --repack-experts / --no-repack-experts (None: its default)
     pcie_experts: int = 0  # tandem's --pcie-experts (llama.cpp computes every --cpu-moe expert on the CPU in decode)
     expert_stats: str | None = None  # tandem's --expert-stats: each tandem worker reads and adds to the file
     seed: int = 0  # the first repetition's prompt seed (repetition r: seed + r)

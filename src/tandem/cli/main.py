@@ -25,9 +25,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--repack-experts",
-        action="store_true",
-        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout (host RAM equal to those "
-        "stacks; no decode gain measured on the GPU machine)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="copy the Q4_K experts computed on the CPU into ggml's repacked layout, as llama.cpp's CPU backend "
+        "holds them (host RAM equal to those stacks; default: on where the whole model computes on the CPU, off "
+        "beside a GPU, where no decode gain was measured)",
     )
     _add_pcie_flag(p)
 

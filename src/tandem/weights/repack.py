@@ -1,8 +1,10 @@
 """CPU-resident expert stacks copied into ggml's repacked (interleaved) layout (`--repack-experts`).
 
 ggml's interleaved Q4_K kernels multiply a stack from a copy in its CPU_REPACK buffer. The copy costs host RAM
-equal to those stacks on top of the file's pages, which stay (prefill streams them to the GPU), and no decode
-gain could be seen on the GPU machine (docs/FLAGS.md, `--repack-experts`), so it stays opt-in. ggml repacks one
+equal to those stacks. Where the whole model computes on the CPU it is the default, as llama.cpp's CPU backend
+holds them (faster prefill: docs/PERFORMANCE.md); beside a GPU the file's pages stay too (prefill streams them to
+the GPU) and no decode gain could be seen on the GPU machine (docs/FLAGS.md, `--repack-experts`), so there it is
+opt-in. ggml repacks one
 tensor on one thread, far slower than loading, so the stacks are repacked by a pool of threads, in layer order,
 while the layers load.
 """
@@ -37,9 +39,9 @@ class ExpertRepacks:
 
     @property
     def notice(self) -> str:
-        if not self.enabled:
+        if not self.copy_bytes:  # off, or nothing this CPU's ggml repacks
             return ""
-        return f"--repack-experts: {self.copy_bytes >> 20} MiB of expert stacks repacked in host RAM"
+        return f"{self.copy_bytes >> 20} MiB of expert stacks repacked in host RAM for ggml's interleaved kernels"
 
     def weight(self, info: TensorInfo) -> GGMLWeight:
         """The stack as ggml computes it: its repacked copy when one is being made, else the file's blocks."""

@@ -4,9 +4,9 @@ graph, or a few, instead of layer by layer through torch and small ggml calls (m
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`decoder.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
 "1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3 and
-qwen3moe; qwen3, covered too, keeps the layer path unless switched on). The graphs hold a MoE model's Q4_K expert
-stacks as ggml's repacked copies, as llama.cpp's CPU backend does (cpu_graph/experts.py): host RAM equal to those
-stacks, made when the graphs are set up.
+qwen3moe; qwen3, covered too, keeps the layer path unless switched on). The graphs multiply a MoE model's expert
+stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by default
+where the whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's blocks.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 import torch
 
+from tandem.layers.moe import MoE
 from tandem.models.cpu_graph.decoder import (
     CacheCopies,
     Pieces,
@@ -26,7 +27,6 @@ from tandem.models.cpu_graph.decoder import (
     step_key,
     unsupported,
 )
-from tandem.models.cpu_graph.experts import graph_experts
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
@@ -59,7 +59,8 @@ class StepGraph:
         self.model, self.pool = model, pool
         self.kinds = attention_kinds(model)
         self.caches = [CacheCopies.of(layer) for layer in pool.layers]
-        self.experts = graph_experts(model, kernels.n_threads)
+        # per MoE layer, keyed by the id of its MoE: its experts as the layer path's ggml graph describes them
+        self.experts = {id(b.ffn): b.ffn.experts._graph[1] for b in model.blocks if isinstance(b.ffn, MoE)}
         self.runner = GraphRunner(kernels)
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 

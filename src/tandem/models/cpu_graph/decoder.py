@@ -361,7 +361,7 @@ def build_step(
     model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey, experts: Mapping[int, ExpertFFN]
 ) -> StepProgram:
     """The program of one step shape (see the module docstring); `experts` holds each MoE layer's experts as the
-    graphs multiply them, keyed by the id of its `MoE` (cpu_graph/experts.py)."""
+    graphs multiply them, keyed by the id of its `MoE` (`StepGraph`)."""
     return _StepBuilder(model, caches, key, experts).build()
 
 
