@@ -30,9 +30,9 @@ def test_the_q4k_stacks_are_repacked_on_a_pool(expert_stacks, monkeypatch) -> No
     threads = set()
     real = repack.repack_experts
 
-    def recorded(w):  # type: ignore[no-untyped-def]
+    def recorded(w, cpu_only):  # type: ignore[no-untyped-def]
         threads.add(threading.current_thread().name)
-        return real(w)
+        return real(w, cpu_only)
 
     monkeypatch.setattr(repack, "repack_experts", recorded)
     q4k = [i for i in expert_stacks if i.qtype.name == "Q4_K"]
@@ -69,3 +69,19 @@ def test_a_model_on_the_cpu_repacks_by_default(tmp_path, flag, repacked) -> None
         assert len(notices) == int(repacked), llm.notices
         logits = llm.engine.append([1, 2, 3])
         assert bool(logits.isfinite().all())
+
+
+def test_mxfp4_stacks_only_with_the_whole_model_on_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """llama.cpp's CPU backend repacks MXFP4 expert stacks too, its --cpu-moe keeps them in the file (the repacked
+    gemv quantizes the activations otherwise): tandem copies them where the whole model is on the CPU only."""
+    path = synthesize("gpt-oss-20b", tmp_path / "g.gguf", layers=1, fill="random").path
+    stacks = [info for name, info in open_gguf(path).tensors.items() if "_exps." in name]
+    mxfp4 = [i for i in stacks if i.qtype.name == "MXFP4"]
+    assert mxfp4
+    beside_gpu = ExpertRepacks(stacks, enabled=True, threads=2)
+    assert all(beside_gpu.weight(i).repacked is None for i in mxfp4)
+    cpu_only = ExpertRepacks(stacks, enabled=True, threads=2, cpu_only=True)
+    copies = [cpu_only.weight(i).repacked for i in mxfp4]
+    if all(c is None for c in copies):
+        pytest.skip("ggml does not repack MXFP4 on this CPU")
+    assert all(c is not None for c in copies) and cpu_only.copy_bytes >= sum(i.n_bytes for i in mxfp4)

@@ -320,24 +320,27 @@ def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
     return w if tiled is None else dataclasses.replace(w, tiled=tiled)
 
 
-# Expert types repacked by --repack-experts: those whose repacked product equals the plain one to float32
-# rounding (tests/test_synth.py). ggml also repacks MXFP4 on x86, but its repacked gemv quantizes the
-# activations otherwise: ~1e-4 relative away from the plain product (and from llama.cpp's --cpu-moe).
+# Expert types repacked beside a GPU (--repack-experts): those whose repacked product equals the plain one to
+# float32 rounding (tests/test_synth.py). ggml also repacks MXFP4 on x86, but its repacked gemv quantizes the
+# activations otherwise: ~1e-4 relative away from the plain product, which llama.cpp's --cpu-moe computes. With the
+# whole model on the CPU llama.cpp repacks MXFP4 too, and so does tandem (`cpu_only`).
 _REPACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_K})
+_CPU_ONLY_REPACKED_EXPERT_TYPES = _REPACKED_EXPERT_TYPES | {GGMLQuantizationType.MXFP4}
 
 
-def repackable_experts(w: GGMLWeight) -> bool:
+def repackable_experts(w: GGMLWeight, cpu_only: bool = False) -> bool:
     """Whether `repack_experts` may copy this stack (ggml has the last word, by its type and shape here)."""
-    return len(w.shape) == 3 and w.repacked is None and w.qtype in _REPACKED_EXPERT_TYPES
+    types = _CPU_ONLY_REPACKED_EXPERT_TYPES if cpu_only else _REPACKED_EXPERT_TYPES
+    return len(w.shape) == 3 and w.repacked is None and w.qtype in types
 
 
-def repack_experts(w: GGMLWeight) -> GGMLWeight:
-    """A Q4_K stack of experts (E, N, K) with a copy in ggml's CPU_REPACK buffer where ggml repacks it on
-    this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's interleaved gemv; else
-    w as it is. llama.cpp leaves `--cpu-moe` experts in the file mapping: this costs host RAM equal to the
-    stack and bought ~1.05-1.15x per product on a 2-vCPU Xeon, but no decode speed on the GPU machine
-    (weights/repack.py); the blocks in the file stay what prefill streams to the GPU."""
-    if not repackable_experts(w):
+def repack_experts(w: GGMLWeight, cpu_only: bool = False) -> GGMLWeight:
+    """A Q4_K (or, `cpu_only`, MXFP4) stack of experts (E, N, K) with a copy in ggml's CPU_REPACK buffer where
+    ggml repacks it on this CPU (x86 with AVX2), which the fused expert graph then multiplies with ggml's
+    interleaved gemv; else w as it is. Its cost is host RAM equal to the stack. Beside a GPU llama.cpp leaves
+    `--cpu-moe` experts in the file mapping, and the copies bought no decode speed on the GPU machine
+    (weights/repack.py), where the blocks in the file stay what prefill streams to the GPU."""
+    if not repackable_experts(w, cpu_only):
         return w
     repacked = RepackedTensor.create(w)
     return w if repacked is None else dataclasses.replace(w, repacked=repacked)

@@ -120,7 +120,9 @@ class WeightLoader:
         self._amx_bytes = 0  # matrices copied into ggml's AMX buffer (TANDEM_AMX=1)
         # CPU expert stacks copied for ggml's interleaved kernels, made on a pool as loading goes
         cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
-        self._repacks = ExpertRepacks(cpu_stacks, repack_experts, kernels.n_threads)
+        # the whole model on the CPU: what llama.cpp's CPU backend repacks (MXFP4 too), else Q4_K only
+        cpu_only = self.compute_device.type == "cpu"
+        self._repacks = ExpertRepacks(cpu_stacks, repack_experts, kernels.n_threads, cpu_only)
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self.pcie_experts = pcie_experts  # of each token's CPU experts in decode, read by the GPU (--pcie-experts)
         self._pcie_layers = 0

@@ -23,7 +23,7 @@ class ExpertRepacks:
     """The repacked copies of the expert stacks the plan keeps on the CPU (none when `enabled` is false), made by
     a thread pool as loading goes."""
 
-    def __init__(self, experts: Iterable[TensorInfo], enabled: bool, threads: int) -> None:
+    def __init__(self, experts: Iterable[TensorInfo], enabled: bool, threads: int, cpu_only: bool = False) -> None:
         self.enabled = enabled
         self.copy_bytes = 0
         self._pending: dict[str, concurrent.futures.Future[GGMLWeight]] = {}
@@ -32,9 +32,9 @@ class ExpertRepacks:
         pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="tandem-repack")
         for info in experts:  # in layer order, as the loader asks for them
             w = GGMLWeight(info.data, info.qtype, info.shape) if len(info.shape) == 3 else None
-            if w is not None and repackable_experts(w):
+            if w is not None and repackable_experts(w, cpu_only):
                 self.copy_bytes += info.n_bytes
-                self._pending[info.name] = pool.submit(repack_experts, w)
+                self._pending[info.name] = pool.submit(repack_experts, w, cpu_only)
         pool.shutdown(wait=False)
 
     @property
