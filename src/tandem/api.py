@@ -193,7 +193,7 @@ class LLM:
         # --tp N (docs/TENSOR_PARALLEL.md): this process is rank 0, ranks 1..N-1 are child processes; the plan,
         # model, kernels and placement below are rank 0's, `tp` has every rank's
         self.tp: TensorParallel | None = None
-        if request.tp > 1:
+        if request.tp > 1:  # the ranks repack CPU experts only when asked (not measured under --tp)
             options = RankOptions(
                 path=str(self.file.path), device=request.device, tp=request.tp, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
                 override_tensor=tuple(override_tensor or ()), gpu_memory=request.gpu_memory,
@@ -220,8 +220,6 @@ class LLM:
             torch.set_num_threads(self.threads)
             initialise_vector_math()
             on_tensor = _progress(self.plan, progress)
-            if repack_experts is None:
-                repack_experts = self.plan.compute_device == "cpu"
             loader = WeightLoader(
                 self.file, self.plan, self.kernels, DTYPES[dtype or "bf16"], on_tensor, repack_experts=repack_experts,
                 pcie_experts=pcie_experts,

@@ -95,7 +95,7 @@ class WeightLoader:
         kernels: CPUKernels,
         dtype: torch.dtype = torch.float32,
         on_tensor: Callable[[TensorInfo], None] | None = None,
-        repack_experts: bool = False,
+        repack_experts: bool | None = None,
         pcie_experts: int = 0,
         routing_counts: RoutingCounts | None = None,
     ) -> None:
@@ -120,9 +120,11 @@ class WeightLoader:
         self._amx_bytes = 0  # matrices copied into ggml's AMX buffer (TANDEM_AMX=1)
         # CPU expert stacks copied for ggml's interleaved kernels, made on a pool as loading goes
         cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
-        # the whole model on the CPU: what llama.cpp's CPU backend repacks (MXFP4 too), else Q4_K only
+        # the whole model on the CPU: by default, and what llama.cpp's CPU backend repacks (MXFP4 too); beside a GPU
+        # with --repack-experts only, Q4_K only
         cpu_only = self.compute_device.type == "cpu"
-        self._repacks = ExpertRepacks(cpu_stacks, repack_experts, kernels.n_threads, cpu_only)
+        enabled = cpu_only if repack_experts is None else repack_experts
+        self._repacks = ExpertRepacks(cpu_stacks, enabled, kernels.n_threads, cpu_only)
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self.pcie_experts = pcie_experts  # of each token's CPU experts in decode, read by the GPU (--pcie-experts)
         self._pcie_layers = 0

@@ -24,7 +24,6 @@ class ExpertRepacks:
     a thread pool as loading goes."""
 
     def __init__(self, experts: Iterable[TensorInfo], enabled: bool, threads: int, cpu_only: bool = False) -> None:
-        self.enabled = enabled
         self.copy_bytes = 0
         self._pending: dict[str, concurrent.futures.Future[GGMLWeight]] = {}
         if not enabled:
