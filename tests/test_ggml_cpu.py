@@ -378,19 +378,24 @@ def test_fused_geglu_matches_two_products_and_the_gelu_table(kernels: CPUKernels
 @pytest.mark.parametrize("rows", [1, 7, 40])  # decoding; prefill rows (llama.cpp: tinyBLAS's 16 lanes)
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("scale", [0.0625, 0.1])  # scaled queries (a power of two) or scaled scores
-def test_attention_graph_matches_the_emulation(rows: int, window: int | None, scale: float) -> None:
+@pytest.mark.parametrize("with_sinks", [False, True])  # gpt-oss: a sink logit per head
+def test_attention_graph_matches_the_emulation(rows: int, window: int | None, scale: float, with_sinks: bool) -> None:
     """Query rows over an f16 cache: ggml's attention nodes (`ggml_attention`) give the lane-ordered emulation's
-    results bit for bit, with grouped KV heads, a sliding window and ragged key counts, for one row (the
+    results bit for bit, with grouped KV heads, a sliding window, ragged key counts and sinks, for one row (the
     decode step) and for several (prefill: the last rows of the keys' positions)."""
     from tandem.layers.attention import AttentionShape, _attend_ggml, attend
 
     shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=128, value_dim=64, scale=scale, sliding_window=window)
     torch.manual_seed(14)
+    # sinks around the scores' size, one far above them (its head's probabilities are then all tiny)
+    sinks = torch.tensor([0.5, -2.0, 3.0, 40.0]) if with_sinks else None
     for n_keys in (rows, rows + 13, 64 + rows, 100 + rows):
         q = torch.randn(rows, 4, 128) * 3
         keys, values = torch.randn(n_keys, 2, 128).half(), torch.randn(n_keys, 2, 64).half()
         position = torch.arange(n_keys - rows, n_keys)
         distance = position.unsqueeze(1) - torch.arange(n_keys).unsqueeze(0)
         allowed = (distance >= 0) & (distance < (window or n_keys + 1))
-        emulated = _attend_ggml(q, keys, values, allowed, shape, None)
-        assert torch.equal(attend(q, keys, values, position, shape), emulated), n_keys
+        emulated = _attend_ggml(q, keys, values, allowed, shape, sinks)
+        assert torch.equal(attend(q, keys, values, position, shape, sinks), emulated), n_keys
+        if with_sinks:  # the sinks take part: without them the values differ
+            assert not torch.equal(attend(q, keys, values, position, shape), emulated)

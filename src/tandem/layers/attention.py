@@ -17,9 +17,10 @@ build (`_SIMD`: AVX-512's 16 float lanes, AVX2's 8; below for AVX-512):
   probabilities are the exponentials times the float 1/sum;
 - P.V: the probabilities are converted to f16 and summed over positions as in K.Q.
 
-Without softcap or sinks these run as ggml's own nodes on the CPU, for one query row (decoding) or many
-(prefill): `ggml_attention` (`mul_mat`, `soft_max_ext`, `mul_mat`, the same kernels as llama.cpp's graph);
-softcap and sinks emulate them in numpy/torch below (`_attend_ggml`).
+Without softcap these run as ggml's own nodes on the CPU, for one query row (decoding) or many (prefill):
+`ggml_attention` (`mul_mat`, `soft_max_ext` with the sinks where the model has them, `mul_mat`, the same kernels as
+llama.cpp's graph); softcap, and head sizes whose sums ggml's float32 nodes round otherwise, are emulated in
+numpy/torch below (`_attend_ggml`).
 
 These are last-place differences, but the attention output feeds the 8-bit quantization of the output
 projection's activations, where one unit in the last place can move a rounding by a whole step: matching
@@ -303,8 +304,9 @@ def attend(
         return _sdpa(q, keys, values, None, s, group)
     allowed = _allowed(positions, first + torch.arange(n_keys, device=q.device), s.sliding_window)  # [T, S]
     if keys.dtype is torch.float16 and not q.is_cuda:
-        if s.softcap is None and sinks is None and _nodes_round_as_llamacpp(q.shape[0], s):
-            return _attend_ggml_nodes(q, _float32_source(keys, values, first, cache), allowed.cpu().numpy(), s)
+        if s.softcap is None and _nodes_round_as_llamacpp(q.shape[0], s):
+            source = _float32_source(keys, values, first, cache)
+            return _attend_ggml_nodes(q, source, allowed.cpu().numpy(), s, sinks)
         return _attend_ggml(q, keys, values, allowed, s, sinks)
     return _masked_attention(q, keys, values, allowed, s, sinks)
 
@@ -530,10 +532,12 @@ def _nodes_round_as_llamacpp(t: int, s: AttentionShape) -> bool:
     return t == 1 or (s.head_dim % _SIMD.lanes == 0 and s.value_dim % 4 == 0)
 
 
-def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: AttentionShape) -> torch.Tensor:
-    """With an f16 cache on the CPU (no softcap, no sinks): ggml's own attention nodes over q [T, H, D], which
-    round as `_attend_ggml` does, in a fraction of its time -> [T, H, Dv]. `allowed` [T, N]: which of the
-    first N positions of `kv` each query row sees.
+def _attend_ggml_nodes(
+    q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: AttentionShape, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """With an f16 cache on the CPU (no softcap): ggml's own attention nodes over q [T, H, D], which round as
+    `_attend_ggml` does, in a fraction of its time -> [T, H, Dv]. `allowed` [T, N]: which of the first N
+    positions of `kv` each query row sees; `sinks` [H]: the heads' sink logits, or None.
 
     Keys and values are padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view: the
     padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail. ggml reads
@@ -551,9 +555,10 @@ def _attend_ggml_nodes(q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: Att
     mask[:, :n_keys][allowed] = 0.0
     threads = torch.get_num_threads() if padded * t >= ATTENTION_THREADED_FROM else 1
     rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * padded))
+    sink = None if sinks is None else np.ascontiguousarray(sinks.detach().float().cpu().numpy())
     outs = [
         ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k.numpy(), vt.numpy(),
-                       mask[r0 : r0 + rows], float(kq_scale), threads)  # fmt: skip
+                       mask[r0 : r0 + rows], float(kq_scale), threads, sink)  # fmt: skip
         for r0 in range(0, t, rows)
     ]
     out = torch.from_numpy(np.concatenate(outs, axis=1)).transpose(0, 1)  # [T, H, Dv]

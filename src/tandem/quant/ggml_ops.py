@@ -51,7 +51,8 @@ def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
 @dataclass(eq=False)
 class _AttentionGraph:
     """An attention graph (see `ggml_attention`): its contexts, graph, plan and the input
-    tensors repointed per call (q, k, v^T, mask), the output's memory and the plan's work buffer."""
+    tensors repointed per call (q, k, v^T, mask, and the sinks where it has them), the output's memory and the
+    plan's work buffer."""
 
     contexts: tuple[int, int]
     graph: ggml.ggml_cgraph_p
@@ -69,7 +70,7 @@ class _AttentionGraph:
             pass
 
 
-_ATTENTION_GRAPHS: OrderedDict[tuple[int | float, ...], _AttentionGraph] = OrderedDict()
+_ATTENTION_GRAPHS: OrderedDict[tuple[int | float | bool, ...], _AttentionGraph] = OrderedDict()
 # From this many positions x query rows the attention runs on all of torch's threads (below, one: a thread's wake-up
 # costs more than its share; above, one thread is too slow for long contexts)
 ATTENTION_THREADED_FROM = 1024
@@ -78,17 +79,18 @@ _attention_lock = threading.Lock()
 
 
 def _build_attention(
-    h: int, g: int, d: int, dv: int, n: int, t: int, kq_scale: float, n_threads: int
+    h: int, g: int, d: int, dv: int, n: int, t: int, kq_scale: float, n_threads: int, sinks: bool
 ) -> _AttentionGraph:
-    """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) -> mul_mat(v^T, kq) for t query rows, the nodes of llama.cpp's
-    attention without flash attention; the inputs' memory is the caller's, the rest the compute context's.
+    """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) (with `sinks`: soft_max_add_sinks, one logit per head in the
+    denominator) -> mul_mat(v^T, kq) for t query rows, the nodes of llama.cpp's attention without flash attention;
+    the inputs' memory is the caller's, the rest the compute context's.
 
     Its f16 products run as float32 ones on exact conversions (the caller's keys and values, the query and
     the probabilities rounded to f16 first): this ggml build's f16 `mul_mat` returns scores at f16 precision
     on an AVX512-FP16 CPU, where llama.cpp's sums in float32 with the lanes and reduction of
     `ggml_vec_dot_f32` (one row) or tinyBLAS (several; exact products, so its fused multiply-adds are the same
     additions)."""
-    inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 4, mem_buffer=None,
+    inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 5, mem_buffer=None,
                                                       no_alloc=True))  # fmt: skip
     mem = 4 * (4 * n * t * h + dv * t * h) + 16 * ggml.ggml_tensor_overhead()
     ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem + ggml.ggml_graph_overhead_custom(16, False) + 4096,
@@ -102,6 +104,11 @@ def _build_attention(
     vt = ggml.ggml_new_tensor_3d(inputs_ctx, f32, n, dv, g)
     mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, t)
     kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, T, H]
+    inputs = [q.contents, k.contents, vt.contents, mask.contents]
+    if sinks:
+        sink = ggml.ggml_new_tensor_1d(inputs_ctx, f32, h)
+        ggml.ggml_soft_max_add_sinks(kq, sink)
+        inputs.append(sink.contents)
     kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), f32)
     out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, T, H]
     graph = ggml.ggml_new_graph_custom(ctx, 16, False)
@@ -110,8 +117,7 @@ def _build_attention(
     work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
     plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, t, dv))
-    return _AttentionGraph((inputs_ctx, ctx), graph, plan,
-                           (q.contents, k.contents, vt.contents, mask.contents), result, work)  # fmt: skip
+    return _AttentionGraph((inputs_ctx, ctx), graph, plan, tuple(inputs), result, work)
 
 
 def _set_strides(tensor: ggml.ggml_tensor, nb1: int, nb2: int) -> None:
@@ -122,7 +128,13 @@ def _set_strides(tensor: ggml.ggml_tensor, nb1: int, nb2: int) -> None:
 
 
 def ggml_attention(
-    q: np.ndarray, k: np.ndarray, vt: np.ndarray, mask: np.ndarray, kq_scale: float, n_threads: int = 1
+    q: np.ndarray,
+    k: np.ndarray,
+    vt: np.ndarray,
+    mask: np.ndarray,
+    kq_scale: float,
+    n_threads: int = 1,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Query rows' attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
     `soft_max_ext` kernel, and its f16 `mul_mat` sums (queries and probabilities rounded to f16) in the lanes
@@ -131,25 +143,27 @@ def ggml_attention(
     q: [H, T, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
     holding f16 values; mask: [T, N] float32 (0 or -inf). q and mask C-contiguous; k and vt may be views with
     strides of their own (a longer buffer's first N positions), their last axis contiguous. Query head h reads
-    KV head h // (H / G). n_threads: ggml's threads; each output is one thread's sum, so the values do not
-    depend on it. One row's graph (decoding) is kept for the next call; several rows' graphs (prefill, whose
-    key count grows) are freed after it.
+    KV head h // (H / G). sinks: [H] float32 (or None), each head's extra logit in the softmax's denominator
+    (gpt-oss), as llama.cpp adds them to the same kernel. n_threads: ggml's threads; each output is one thread's
+    sum, so the values do not depend on it. One row's graph (decoding) is kept for the next call; several rows'
+    graphs (prefill, whose key count grows) are freed after it.
     Returns [H, T, Dv] float32 (a fresh array)."""
     h, t, d = q.shape
     n, g, _ = k.shape
     dv = vt.shape[1]
-    key = (h, g, d, dv, n, t, float(kq_scale), n_threads)
+    key = (h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
     with _attention_lock:  # a cached graph's input pointers are rewritten per call
         a = _ATTENTION_GRAPHS.get(key)
         if a is None:
-            a = _build_attention(h, g, d, dv, n, t, float(kq_scale), n_threads)
+            a = _build_attention(h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
             if t == 1:
                 _ATTENTION_GRAPHS[key] = a
                 while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
                     _ATTENTION_GRAPHS.popitem(last=False)
         else:
             _ATTENTION_GRAPHS.move_to_end(key)
-        for tensor, array in zip(a.inputs, (q, k, vt, mask), strict=True):
+        arrays = (q, k, vt, mask) if sinks is None else (q, k, vt, mask, sinks)
+        for tensor, array in zip(a.inputs, arrays, strict=True):
             tensor.data = array.ctypes.data
         _set_strides(a.inputs[1], k.strides[0], k.strides[1])  # k [N, G, D] is ggml's (D, N, G)
         _set_strides(a.inputs[2], vt.strides[1], vt.strides[0])  # vt [G, Dv, N] is ggml's (N, Dv, G)
