@@ -30,6 +30,7 @@ from tandem.cuda.streams import on_host, side_by_side
 from tandem.errors import TandemError
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
+from tandem.quant.ggml_ops import ggml_gated_delta_rule
 from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import StateOrderError
 
@@ -109,7 +110,10 @@ class DeltaNetPool:
     def allocate(cls, n_slots: int, shape: DeltaNetShape, device: torch.device | str) -> DeltaNetPool:
         # float32 whatever the KV cache type: the state is small and accumulates over the whole sequence
         conv = torch.zeros(n_slots, shape.conv_kernel - 1, shape.conv_channels, device=device)
-        ssm = torch.zeros(n_slots, shape.n_v_heads, shape.head_k_dim, shape.head_v_dim, device=device)
+        if torch.device(device).type == "cpu":  # ggml's layout (its rows S[:, j]), which the CPU rule reads in place
+            ssm = torch.zeros(n_slots, shape.n_v_heads, shape.head_v_dim, shape.head_k_dim).transpose(2, 3)
+        else:
+            ssm = torch.zeros(n_slots, shape.n_v_heads, shape.head_k_dim, shape.head_v_dim, device=device)
         return cls(conv, ssm, [DeltaNetState(conv[i], ssm[i]) for i in range(n_slots)])
 
     def slot(self, i: int) -> DeltaNetState:
@@ -321,10 +325,17 @@ class GatedDeltaNet:
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = self._expand_heads(l2_normalize(q.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))  # [T, Hv, Dk]
         k = self._expand_heads(l2_normalize(k.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))
-        q = q * s.head_k_dim**-0.5
         v = v.reshape(t, s.n_v_heads, s.head_v_dim)  # [T, Hv, Dv]
         beta = torch.sigmoid(b.float())
         g = self.a * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
+        ggml_layout = state.ssm.transpose(1, 2)
+        if not q.is_cuda and s.head_k_dim == s.head_v_dim and ggml_layout.is_contiguous():
+            # llama.cpp's fused CPU op: token by token in C, for a prompt too (torch's chunked form is slower on the
+            # CPU, its batched triangular solves most of all); it scales the outputs, not the queries
+            arrays = (x.detach().float().contiguous().numpy() for x in (q, k, v, g, beta))
+            o = ggml_gated_delta_rule(*arrays, ggml_layout.numpy(), torch.get_num_threads())
+            return torch.from_numpy(o)
+        q = q * s.head_k_dim**-0.5
         if t == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
         return chunked_gated_delta_rule(q, k, v, g, beta, state.ssm, self.chunk_size)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ggml
 import numpy as np
 
-__all__ = ["ATTENTION_THREADED_FROM", "ggml_attention", "ggml_elementwise"]
+__all__ = ["ATTENTION_THREADED_FROM", "ggml_attention", "ggml_elementwise", "ggml_gated_delta_rule"]
 
 
 def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
@@ -49,10 +49,9 @@ def ggml_elementwise(x: np.ndarray, ops: Sequence[str]) -> list[np.ndarray]:
 
 
 @dataclass(eq=False)
-class _AttentionGraph:
-    """An attention graph (see `ggml_attention`): its contexts, graph, plan and the input
-    tensors repointed per call (q, k, v^T, mask, and the sinks where it has them), the output's memory and the
-    plan's work buffer."""
+class _OpGraph:
+    """A small graph of ggml ops (`ggml_attention`, `ggml_gated_delta_rule`): its contexts, graph, plan and the
+    input tensors repointed per call, the output's memory and the plan's work buffer."""
 
     contexts: tuple[int, int]
     graph: ggml.ggml_cgraph_p
@@ -60,6 +59,32 @@ class _AttentionGraph:
     inputs: tuple[ggml.ggml_tensor, ...]
     out: np.ndarray
     work: np.ndarray
+
+    @classmethod
+    def finish(
+        cls,
+        contexts: tuple[int, int],
+        inputs: Sequence[ggml.ggml_tensor_p],
+        out: ggml.ggml_tensor_p,
+        out_shape: tuple[int, ...],
+        n_threads: int,
+    ) -> _OpGraph:
+        """The graph computing `out` (float32, read as `out_shape`) from `inputs`, planned for n_threads."""
+        graph = ggml.ggml_new_graph_custom(contexts[1], 16, False)
+        ggml.ggml_build_forward_expand(graph, out)
+        plan = ggml.ggml_graph_plan(graph, n_threads, None)
+        work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
+        plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), out_shape)
+        return cls(contexts, graph, plan, tuple(t.contents for t in inputs), result, work)
+
+    def compute(self, arrays: Sequence[np.ndarray]) -> None:
+        """Runs the graph on `arrays` (the inputs' memory, in order; kept alive by the caller meanwhile)."""
+        for tensor, array in zip(self.inputs, arrays, strict=True):
+            tensor.data = array.ctypes.data
+        status = ggml.ggml_graph_compute(self.graph, ctypes.byref(self.plan))
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
 
     def __del__(self) -> None:
         # Interpreter shutdown may have torn down ggml already; freeing is best effort then.
@@ -70,17 +95,57 @@ class _AttentionGraph:
             pass
 
 
-_ATTENTION_GRAPHS: OrderedDict[tuple[int | float | bool, ...], _AttentionGraph] = OrderedDict()
+def _contexts(n_inputs: int, compute_bytes: int) -> tuple[int, int]:
+    """A context holding only the input tensors' headers (their memory is the caller's, set per call) and one for
+    the rest of the graph, `compute_bytes` of tensor data."""
+    inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * n_inputs,
+                                                      mem_buffer=None, no_alloc=True))  # fmt: skip
+    mem = compute_bytes + 16 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(16, False) + 4096
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=False))
+    if not inputs_ctx or not ctx:
+        raise MemoryError("ggml_init failed")
+    return inputs_ctx, ctx
+
+
+# Graphs kept for the next call: one-row steps (decoding), whose shapes repeat; several rows' (prefill) are freed
+_GRAPHS: OrderedDict[tuple[str | int | float | bool, ...], _OpGraph] = OrderedDict()
+_MAX_GRAPHS = 16  # decode needs one per layer geometry and scale; attention's moves on every 64 positions
+_graphs_lock = threading.Lock()  # a graph's input pointers are rewritten per call
+
+
+def _run_graph(
+    key: tuple[str | int | float | bool, ...],
+    keep: bool,
+    build: Callable[[], _OpGraph],
+    arrays: Sequence[np.ndarray],
+    prepare: Callable[[_OpGraph], None] | None = None,
+) -> np.ndarray:
+    """Computes the graph of `key` (built by `build` unless kept from an earlier call; kept when `keep`) on
+    `arrays`, after `prepare` (e.g. the inputs' strides of this call); returns a copy of its output."""
+    with _graphs_lock:
+        graph = _GRAPHS.get(key)
+        if graph is None:
+            graph = build()
+            if keep:
+                _GRAPHS[key] = graph
+                while len(_GRAPHS) > _MAX_GRAPHS:
+                    _GRAPHS.popitem(last=False)
+        else:
+            _GRAPHS.move_to_end(key)
+        if prepare is not None:
+            prepare(graph)
+        graph.compute(arrays)
+        return graph.out.copy()
+
+
 # From this many positions x query rows the attention runs on all of torch's threads (below, one: a thread's wake-up
 # costs more than its share; above, one thread is too slow for long contexts)
 ATTENTION_THREADED_FROM = 1024
-_MAX_ATTENTION_GRAPHS = 16  # decode needs one per layer geometry and scale; it moves on every 64 positions
-_attention_lock = threading.Lock()
 
 
 def _build_attention(
     h: int, g: int, d: int, dv: int, n: int, t: int, kq_scale: float, n_threads: int, sinks: bool
-) -> _AttentionGraph:
+) -> _OpGraph:
     """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) (with `sinks`: soft_max_add_sinks, one logit per head in the
     denominator) -> mul_mat(v^T, kq) for t query rows, the nodes of llama.cpp's attention without flash attention;
     the inputs' memory is the caller's, the rest the compute context's.
@@ -90,34 +155,21 @@ def _build_attention(
     on an AVX512-FP16 CPU, where llama.cpp's sums in float32 with the lanes and reduction of
     `ggml_vec_dot_f32` (one row) or tinyBLAS (several; exact products, so its fused multiply-adds are the same
     additions)."""
-    inputs_ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * 5, mem_buffer=None,
-                                                      no_alloc=True))  # fmt: skip
-    mem = 4 * (4 * n * t * h + dv * t * h) + 16 * ggml.ggml_tensor_overhead()
-    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem + ggml.ggml_graph_overhead_custom(16, False) + 4096,
-                                               mem_buffer=None, no_alloc=False))  # fmt: skip
-    if not inputs_ctx or not ctx:
-        raise MemoryError("ggml_init failed")
+    inputs_ctx, ctx = _contexts(5, 4 * (4 * n * t * h + dv * t * h))
     f32 = ggml.GGML_TYPE_F32
     q = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, t, h)
     k = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, n, g)
-    k.contents.nb[1], k.contents.nb[2] = 4 * d * g, 4 * d  # strided over the cache's [N, G, D] layout
     vt = ggml.ggml_new_tensor_3d(inputs_ctx, f32, n, dv, g)
     mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, t)
     kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, T, H]
-    inputs = [q.contents, k.contents, vt.contents, mask.contents]
+    inputs = [q, k, vt, mask]
     if sinks:
         sink = ggml.ggml_new_tensor_1d(inputs_ctx, f32, h)
         ggml.ggml_soft_max_add_sinks(kq, sink)
-        inputs.append(sink.contents)
+        inputs.append(sink)
     kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), f32)
     out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, T, H]
-    graph = ggml.ggml_new_graph_custom(ctx, 16, False)
-    ggml.ggml_build_forward_expand(graph, out)
-    plan = ggml.ggml_graph_plan(graph, n_threads, None)
-    work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
-    plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-    result = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (h, t, dv))
-    return _AttentionGraph((inputs_ctx, ctx), graph, plan, tuple(inputs), result, work)
+    return _OpGraph.finish((inputs_ctx, ctx), inputs, out, (h, t, dv), n_threads)
 
 
 def _set_strides(tensor: ggml.ggml_tensor, nb1: int, nb2: int) -> None:
@@ -151,23 +203,42 @@ def ggml_attention(
     h, t, d = q.shape
     n, g, _ = k.shape
     dv = vt.shape[1]
-    key = (h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
-    with _attention_lock:  # a cached graph's input pointers are rewritten per call
-        a = _ATTENTION_GRAPHS.get(key)
-        if a is None:
-            a = _build_attention(h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
-            if t == 1:
-                _ATTENTION_GRAPHS[key] = a
-                while len(_ATTENTION_GRAPHS) > _MAX_ATTENTION_GRAPHS:
-                    _ATTENTION_GRAPHS.popitem(last=False)
-        else:
-            _ATTENTION_GRAPHS.move_to_end(key)
-        arrays = (q, k, vt, mask) if sinks is None else (q, k, vt, mask, sinks)
-        for tensor, array in zip(a.inputs, arrays, strict=True):
-            tensor.data = array.ctypes.data
-        _set_strides(a.inputs[1], k.strides[0], k.strides[1])  # k [N, G, D] is ggml's (D, N, G)
-        _set_strides(a.inputs[2], vt.strides[1], vt.strides[0])  # vt [G, Dv, N] is ggml's (N, Dv, G)
-        status = ggml.ggml_graph_compute(a.graph, ctypes.byref(a.plan))
-        if status != 0:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
-        return a.out.copy()
+    key = ("attention", h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
+
+    def build() -> _OpGraph:
+        return _build_attention(h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
+
+    def strides(graph: _OpGraph) -> None:
+        _set_strides(graph.inputs[1], k.strides[0], k.strides[1])  # k [N, G, D] is ggml's (D, N, G)
+        _set_strides(graph.inputs[2], vt.strides[1], vt.strides[0])  # vt [G, Dv, N] is ggml's (N, Dv, G)
+
+    arrays = (q, k, vt, mask) if sinks is None else (q, k, vt, mask, sinks)
+    return _run_graph(key, t == 1, build, arrays, strides)
+
+
+def ggml_gated_delta_rule(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray, n_threads: int
+) -> np.ndarray:
+    """The gated delta rule over one sequence's T tokens as llama.cpp's CPU backend computes it: ggml's fused
+    `gated_delta_net` op, token by token, the heads split over the threads (each head's values do not depend on
+    their number).
+
+    q, k: [T, H, D] (l2-normalised, not scaled: the op scales its outputs by 1/sqrt(D)), v: [T, H, D], g (the log
+    decay) and beta: [T, H], all float32 and C-contiguous; state: [H, D, D] float32, C-contiguous, in ggml's
+    layout (state[h, j, i] holds S[i][j] of S [Dk, Dv]), updated in place. Returns o [T, H, D] (a fresh array).
+    One token's graph (decoding) is kept for the next call."""
+    t, h, d = q.shape
+    n_out = d * h * t
+
+    def build() -> _OpGraph:
+        inputs_ctx, ctx = _contexts(6, 4 * (n_out + d * d * h))
+        f32 = ggml.GGML_TYPE_F32
+        q_, k_, v_ = (ggml.ggml_new_tensor_4d(inputs_ctx, f32, d, h, t, 1) for _ in range(3))
+        g_, beta_ = (ggml.ggml_new_tensor_4d(inputs_ctx, f32, 1, h, t, 1) for _ in range(2))
+        state_ = ggml.ggml_new_tensor_4d(inputs_ctx, f32, d, d, h, 1)
+        out = ggml.ggml_gated_delta_net(ctx, q_, k_, v_, g_, beta_, state_, 1)  # [o | the final state]
+        return _OpGraph.finish((inputs_ctx, ctx), (q_, k_, v_, g_, beta_, state_), out, (n_out + d * d * h,), n_threads)
+
+    result = _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, (q, k, v, g, beta, state))
+    state[...] = result[n_out:].reshape(h, d, d)
+    return result[:n_out].reshape(t, h, d)
