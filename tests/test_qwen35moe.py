@@ -48,6 +48,24 @@ def test_chunked_matches_recurrent(t: int) -> None:
     torch.testing.assert_close(s_chk, s_rec, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("t", [1, 5, 150])
+def test_ggml_rule_matches_recurrent(t: int) -> None:
+    """ggml's fused op (the CPU path's rule, llama.cpp's) gives the recurrent form's outputs and state, from a
+    state in ggml's layout (S transposed per head), with unscaled queries (the op scales its outputs)."""
+    from tandem.quant.ggml_ops import ggml_gated_delta_rule
+
+    q, k, v, g, beta = _inputs(t)
+    init = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(1))
+    s_rec = init.clone()
+    out_rec = recurrent_gated_delta_rule(q, k, v, g, beta, s_rec)
+    s_ggml = init.transpose(1, 2).contiguous().numpy()
+    arrays = [x.contiguous().numpy() for x in (q * 8**0.5, k, v, g, beta)]
+    out = torch.from_numpy(ggml_gated_delta_rule(*arrays, s_ggml, n_threads=2))
+    torch.testing.assert_close(out, out_rec, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(s_ggml).transpose(1, 2), s_rec, atol=1e-5, rtol=0)
+    assert not torch.equal(s_rec, init)
+
+
 def test_chunked_split_anywhere_is_the_same() -> None:
     """Prefill in uneven pieces (state carried between calls) equals one call."""
     q, k, v, g, beta = _inputs(100)
