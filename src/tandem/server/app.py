@@ -170,9 +170,10 @@ class Server:
         return endpoint
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
+        assert isinstance(exc, StarletteHTTPException)  # its headers: a 405's Allow
         e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                     "invalid_request_error" if exc.status_code < 500 else "server_error")  # fmt: skip
+                     "invalid_request_error" if exc.status_code < 500 else "server_error",
+                     headers=exc.headers)  # fmt: skip
         return self.error_response(e, request.url.path.startswith("/api/"))
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:

@@ -8,6 +8,7 @@ ignored. Fields that change nothing the server computes (`user`, `metadata`, `ke
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,10 @@ MAX_BODY_BYTES = 8 << 20  # a request body; the prompt must also fit the context
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # TextStream's hold-back check costs the square of a stop string's length per token
 MAX_MESSAGES = 10_000
+# OpenAI's roles; a template renders any string it is given as a turn, so a typo would make a turn of its own.
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# A \uD800-\uDFFF escape: where a lone surrogate may come from, as JSON's text itself is checked UTF-8.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 class APIError(Exception):
@@ -64,6 +69,12 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(value, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_kind(value)}")
+    if _SURROGATE_ESCAPE.search(body):
+        try:  # a lone surrogate is no text: it cannot be tokenized as such, nor encoded back in an answer
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:
+            escape = f"\\u{ord(e.object[e.start]):04x}"
+            raise APIError(400, f"the request body is not valid JSON: {escape} is a lone surrogate") from None
     return value
 
 
@@ -119,9 +130,10 @@ class Fields:
         return [s for s in stops if s]
 
     def refuse(self, name: str, allowed: object = None, why: str = "is not supported") -> None:
-        """A 400 when the field is present with another value than `allowed` (None, or e.g. False or 1)."""
+        """A 400 when the field is present with another value than `allowed` (None, or e.g. False or 1); an empty
+        string, array or object asks for nothing (Ollama's Python client sends `"format": ""`, `"template": ""`)."""
         value = self.body.get(name)
-        if value is not None and value != allowed and not (isinstance(value, (list, dict)) and not value):
+        if value is not None and value != allowed and not (isinstance(value, (str, list, dict)) and not value):
             raise self.error(name, why)
 
 
@@ -131,6 +143,8 @@ def sampling(f: Fields, max_tokens_names: tuple[str, ...]) -> Generation:
     given = {name: f.option(name) for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                "repeat_last_n", "presence_penalty", "frequency_penalty",
                                                "seed")}  # fmt: skip
+    if given["seed"] == -1:  # llama-server's and Ollama's "random seed", not the seed -1
+        given["seed"] = None
     try:
         params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
     except TandemError as e:  # what check_option's ranges let through (top_p 0, a negative top_k)
@@ -177,6 +191,8 @@ def chat_messages(f: Fields, name: str = "messages") -> list[dict[str, str]]:
         role = m.get("role", str, "a string")
         if role is None:
             raise m.error("role", "is required")
+        if role not in ROLES:
+            raise m.error("role", f"must be one of {', '.join(sorted(ROLES))}, got {role[:50]!r}")
         if m.body.get("images"):
             raise m.error("images", "images are not supported")
         content = message.get("content")
