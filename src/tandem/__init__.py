@@ -1,6 +1,9 @@
 """tandem: Mixture-of-Experts inference from GGUF files, experts in host RAM, the rest on the GPU."""
 
-from tandem.api import LLM
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from tandem.errors import (
     ChatTemplateError,
     ConversionError,
@@ -9,6 +12,9 @@ from tandem.errors import (
     TandemError,
     UnsupportedModelError,
 )
+
+if TYPE_CHECKING:
+    from tandem.api import LLM
 
 __all__ = [
     "LLM",
@@ -20,3 +26,13 @@ __all__ = [
     "UnsupportedModelError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # LLM imports torch (over a second): on first use, so that the CLI, which every `tandem` command imports through
+    # this package, parses its flags and catches Ctrl-C (cli/main.py) before torch loads.
+    if name == "LLM":
+        from tandem.api import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")

@@ -27,3 +27,11 @@ class ChatTemplateError(TandemError):
 
 class ConversionError(TandemError):
     """`tandem convert` cannot convert the given checkpoint."""
+
+
+def os_reason(e: OSError) -> str:
+    """An OSError for a one-line message, naming the path that failed: creating `out.gguf`'s folder fails on the
+    folder, not on `out.gguf`."""
+    if e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return e.strerror or str(e)

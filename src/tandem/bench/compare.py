@@ -471,7 +471,7 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
     from tandem.bench.spec import parse_matrix
     from tandem.gguf import open_gguf
     from tandem.models import read_config
-    from tandem.placement import RuntimeShape, plan_placement
+    from tandem.placement import ExpertStats, RuntimeShape, plan_placement
     from tandem.state.kv_cache import CACHE_DTYPES
 
     settings = settings_from_args(args)
@@ -497,6 +497,8 @@ def run_from_args(args: Any, argv: Sequence[str] | None = None) -> int:
     shape = RuntimeShape(settings.n_ctx, settings.n_batch, CACHE_DTYPES[settings.cache_type].itemsize)
     llama: dict[int, dict[str, Any] | str] = {}
     plans = [plan_placement(f, cfg, p.request(), shape) for p in placements]  # bad flags: usage errors, before any run
+    if settings.expert_stats is not None:  # the workers read it: another model's file or a model is refused here
+        ExpertStats.open(settings.expert_stats, f, cfg)
     for i, (p, plan) in enumerate(zip(placements, plans, strict=True)):
         try:
             llama[i] = to_llama(p.request(), plan).as_dict()

@@ -7,6 +7,7 @@ none) and `tensor_buft_overrides`, written with llama.cpp's own `--cpu-moe`/`--n
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -175,8 +176,9 @@ class BenchSettings:
             raise TandemError("--pp, --tg and --reps must be positive")
         if max(self.pp) + self.tg > self.n_ctx:
             raise TandemError(f"--pp {max(self.pp)} + --tg {self.tg} exceed the context size {self.n_ctx} (-c)")
-        if self.timeout_s <= 0:
-            raise TandemError("--timeout must be positive")
+        for flag, seconds in (("--timeout", self.timeout_s), ("--budget", self.budget_s)):
+            if seconds is not None and not 0 < seconds < math.inf:  # nan fails this too
+                raise TandemError(f"{flag} must be a positive number of seconds, got {seconds:g}")
         if self.threads <= 0:
             raise TandemError("-t/--threads must be positive")
         if self.process_reps is not None and self.process_reps <= 0:

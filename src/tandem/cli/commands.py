@@ -16,7 +16,14 @@ from tandem.api import LLM, default_model_path
 from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
-from tandem.placement import ExpertStats, PlacementRequest, RuntimeShape, expert_layer, plan_placement
+from tandem.placement import (
+    ExpertStats,
+    PlacementRequest,
+    RuntimeShape,
+    check_one_gpu,
+    expert_layer,
+    plan_placement,
+)
 from tandem.placement.tp import check_tp_flags, plan_tensor_parallel
 from tandem.runtime.devices import check_pcie_experts, resolve_device
 from tandem.runtime.sampling import check_option
@@ -113,7 +120,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
         "repeat_last_n": args.repeat_last_n,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
-        "seed": args.seed,
+        "seed": None if args.seed == -1 else args.seed,  # llama.cpp's -s -1 (LLAMA_DEFAULT_SEED): a random seed
         "stop": args.stop,
     }
 
@@ -137,7 +144,8 @@ def check_flags(args: argparse.Namespace) -> None:
 def _template_options(args: argparse.Namespace) -> dict[str, Any]:
     """--chat-template-file and --chat-template-kwargs as LLM.chat's arguments, checked before the model loads."""
     file, kwargs, name = args.chat_template_file, args.chat_template_kwargs, args.chat_template
-    given = {"--chat-template-file": file, "--chat-template-kwargs": kwargs, "--chat-template": name}
+    given = {"--chat-template-file": file, "--chat-template-kwargs": kwargs, "--chat-template": name,
+             "-sys/--system-prompt": getattr(args, "system_prompt", None)}  # fmt: skip
     if args.command == "run" and not args.chat and (flags := [f for f, v in given.items() if v is not None]):
         raise TandemError(f"{flags[0]} needs --chat (it concerns the chat template)")
     if file is not None and name is not None:
@@ -235,6 +243,7 @@ def inspect(args: argparse.Namespace) -> int:
     stats = ExpertStats.open(args.expert_stats, f, cfg) if args.expert_stats else None
     counts = {} if stats is None else stats.placement_counts()
     plan = plan_placement(f, cfg, request, shape, **counts)  # type: ignore[arg-type]
+    check_one_gpu(plan)
     check_pcie_experts(plan, f, cfg, args.pcie_experts)
     tp = None
     if request.tp > 1:  # each rank's slices and plan (docs/TENSOR_PARALLEL.md)

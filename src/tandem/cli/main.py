@@ -7,7 +7,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tandem.errors import TandemError
-from tandem.tokenizer.builtin_templates import BUILTIN_TEMPLATES
 
 EXIT_USER_ERROR = 2
 MAX_MESSAGE = 1000  # a message echoes paths, names and values: cut, so that it stays one line
@@ -125,7 +124,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--frequency-penalty", type=float, default=0.0, help="lowers seen tokens' logits per occurrence, 0 = off"
     )
-    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default, or -1 as llama.cpp: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -168,6 +167,8 @@ def _add_compare_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_template_flag(p: argparse.ArgumentParser) -> None:
+    from tandem.tokenizer.builtin_templates import BUILTIN_TEMPLATES  # here: Ctrl-C during its imports is caught
+
     p.add_argument(
         "--chat-template",
         default=None,
@@ -309,8 +310,8 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return _commands()[args.command](args)
     except TandemError as e:
         from tandem.gguf.header import one_line  # here: `tandem --help` stays fast

@@ -15,6 +15,7 @@ tensor at a time), so peak memory is about one tensor, or one layer's experts, n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from tandem.convert import gemma4, gpt_oss
 from tandem.convert import qwen35moe as hybrid
 from tandem.convert.arch_hooks import ArchHooks, PlanContext
 from tandem.convert.vocab import Vocab, load_bpe_vocab, load_spm_vocab, read_json_object, write_vocab
-from tandem.errors import ConversionError
+from tandem.errors import ConversionError, os_reason
 
 Q = gguf.GGMLQuantizationType
 
@@ -89,18 +90,20 @@ def _read_safetensors_header(path: Path) -> dict[str, _STensor]:
             if n <= 0 or 8 + n > size:
                 raise ValueError("bad header length")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+        entries = {
+            name: _STensor(path, str(info["dtype"]), tuple(int(d) for d in info["shape"]),
+                           *(8 + n + int(x) for x in info["data_offsets"]))
+            for name, info in header.items()
+            if name != "__metadata__"
+        }  # fmt: skip
+    except (OSError, ValueError, RecursionError, AttributeError, KeyError, TypeError) as e:  # a malformed header too
+        raise ConversionError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     out: dict[str, _STensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = (8 + n + int(x) for x in info["data_offsets"])
-        t = _STensor(path, str(info["dtype"]), tuple(int(d) for d in info["shape"]), begin, end)
+    for name, t in entries.items():
         if t.dtype not in _ST_DTYPES:
             raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {t.dtype}")
         want = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[t.dtype]).itemsize
-        if end > size or end - begin != want:
+        if t.end > size or t.end - t.start != want:
             raise ConversionError(f"{path}: tensor '{name}' data is out of bounds or mis-sized (truncated?)")
         out[name] = t
     return out
@@ -111,9 +114,9 @@ def _index_safetensors(hf_dir: Path) -> dict[str, _STensor]:
     if index.is_file():
         try:
             weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ConversionError(f"{index}: unreadable shard index ({e})") from None
-        files = sorted({hf_dir / f for f in weight_map.values()})
+            files = sorted({hf_dir / f for f in weight_map.values()})
+        except (OSError, ValueError, RecursionError, AttributeError, KeyError, TypeError) as e:
+            raise ConversionError(f"{index}: unreadable shard index ({type(e).__name__}: {e})") from None
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConversionError(f"{hf_dir}: safetensors shard(s) missing: {', '.join(missing)}")
@@ -493,7 +496,7 @@ def convert_hf(hf_dir: Path, out_path: Path, outtype: str = "f16", *, overwrite:
     if out_path.is_dir():
         raise ConversionError(f"{out_path}: is a directory")
     if out_path.exists() and not overwrite:
-        raise ConversionError(f"{out_path}: already exists (pass overwrite=True to replace it)")
+        raise ConversionError(f"{out_path}: already exists (pass --overwrite, or overwrite=True, to replace it)")
 
     tensors = _index_safetensors(hf_dir)
     vocab = _load_vocab(spec, cfg, hf_dir)
@@ -528,8 +531,9 @@ def convert_hf(hf_dir: Path, out_path: Path, outtype: str = "f16", *, overwrite:
         os.replace(tmp, out_path)
     except BaseException as e:
         writer.close()
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. its folder could not be made: the first error is the one to tell
+            tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):  # disk full, permissions: report it like any other conversion failure
-            raise ConversionError(f"{out_path}: cannot write ({e.strerror or e})") from None
+            raise ConversionError(f"{out_path}: cannot write ({os_reason(e)})") from None
         raise
     return out_path

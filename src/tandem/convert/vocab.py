@@ -49,7 +49,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
     """A checkpoint's JSON file (config, tokenizer, ...), which must hold an object; else a ConversionError."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: malformed, undecodable or 5,000-digit integers
         raise ConversionError(f"{path}: cannot read JSON ({type(e).__name__}: {e})") from None
     if not isinstance(value, dict):
         raise ConversionError(f"{path}: expected a JSON object, found a {type(value).__name__}")

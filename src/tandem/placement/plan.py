@@ -7,15 +7,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem.errors import PlacementError, TandemError
 from tandem.gguf import GGUFFile, TensorInfo
-from tandem.models.config import ModelConfig
 from tandem.placement.experts import ExpertCache, LayerExperts, layer_experts, select_experts
 from tandem.placement.request import PlacementRequest
 from tandem.quant.types import CUBLAS_WORKSPACE_BYTES, GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES, STAGING_SLOT_BYTES
+
+if TYPE_CHECKING:  # tandem.models imports the weight loader, which imports this package
+    from tandem.models.config import ModelConfig
 
 # The routed-expert tensors, as llama.cpp's --cpu-moe names them.
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(?:up|down|gate_up|gate)_(?:ch|)exps")
@@ -249,6 +252,23 @@ def plan_placement(
 
 
 STAGING_ALIGN = 256  # bytes: every staged view is aligned for any element type
+
+
+def check_one_gpu(plan: PlacementPlan) -> None:
+    """Raise a one-line PlacementError where tensors are planned on a GPU other than --device's (one GPU per rank);
+    no GPU is needed to tell, so `inspect` refuses what `run` would."""
+    req = plan.request  # under --tp: one rank's plan (its device; runtime/tp.py checks the others)
+    gpus = sorted({d for d in plan.devices.values() if d != "cpu"} | ({req.device} - {"cpu"}))
+    if gpus and req.device == "cpu":
+        raise PlacementError(
+            f"-ot/--override-tensor {gpus[0]}: with --device cpu every tensor must stay on the CPU; "
+            f"use --device cuda to compute on the GPU"
+        )
+    if len(gpus) > 1:
+        raise PlacementError(
+            f"-ot/--override-tensor {', '.join(g for g in gpus if g != req.device)}: tandem computes on one GPU per "
+            f"rank (--device {req.device}): put tensors there or on the CPU (--tp N splits the model over N GPUs)"
+        )
 
 
 def staging_aligned(n_bytes: int) -> int:

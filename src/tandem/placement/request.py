@@ -34,21 +34,36 @@ def parse_size(text: str, flag: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
+# A device as --device and -ot name it: cpu, cuda, cuda:K, and llama.cpp's buffer names (CPU, CUDA0, CUDA1, ...).
+_DEVICE_RE = re.compile(r"cpu|(?:cuda|gpu)(?::?(\d+))?", re.IGNORECASE)
+# An -ot list item's end: llama.cpp's -ot takes 'REGEX=DEVICE,REGEX=DEVICE,...'.
+_OVERRIDE_END_RE = re.compile(rf"=\s*(?:{_DEVICE_RE.pattern})\s*$", re.IGNORECASE)
+
+
 def normalize_device(device: str, flag: str) -> str:
-    """'cpu', 'cuda', 'cuda:K' -> 'cpu' or 'cuda:K'."""
-    d = device.strip().lower()
-    if d == "cpu":
+    """'cpu', 'cuda', 'cuda:K', llama.cpp's 'CPU' and 'CUDAK' -> 'cpu' or 'cuda:K'."""
+    m = _DEVICE_RE.fullmatch(device.strip())
+    if m is None:
+        raise PlacementError(f"{flag}: unknown device '{device}' (use cpu, cuda or cuda:K)")
+    if m.group(0).lower() == "cpu":
         return "cpu"
-    if d in ("cuda", "gpu"):
-        return "cuda:0"
-    m = re.fullmatch(r"(?:cuda|gpu):(\d+)", d)
-    if m:
-        return f"cuda:{int(m.group(1))}"
-    raise PlacementError(f"{flag}: unknown device '{device}' (use cpu, cuda or cuda:K)")
+    return f"cuda:{int(m.group(1) or 0)}"
+
+
+def split_overrides(text: str) -> list[str]:
+    """llama.cpp's comma-separated -ot list -> its items. A comma inside a regex (`\\d{1,3}`) stays: the text is cut
+    only after an item's '=DEVICE'."""
+    items, current = [], ""
+    for piece in text.split(","):
+        current = f"{current},{piece}" if current else piece
+        if _OVERRIDE_END_RE.search(current):
+            items.append(current)
+            current = ""
+    return [*items, current] if current or not items else items
 
 
 def parse_override(text: str) -> tuple[str, str]:
-    """'REGEX=DEVICE' (llama.cpp's -ot syntax) -> (regex, device)."""
+    """'REGEX=DEVICE' (one item of llama.cpp's -ot list) -> (regex, device)."""
     pattern, sep, device = text.rpartition("=")
     if not sep or not pattern:
         raise PlacementError(f"-ot/--override-tensor: expected REGEX=DEVICE, got '{text}'")
@@ -119,7 +134,7 @@ class PlacementRequest:
         moe_cache_refresh: int = 0,
     ) -> PlacementRequest:
         """Build from CLI/API values (override strings 'REGEX=DEVICE', sizes as text or bytes)."""
-        overrides = tuple(parse_override(o) for o in (override_tensor or ()))
+        overrides = tuple(parse_override(item) for o in (override_tensor or ()) for item in split_overrides(o))
         budget = parse_size(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
         cache = parse_size(moe_cache, "--moe-cache") if isinstance(moe_cache, str) else moe_cache
         return cls(

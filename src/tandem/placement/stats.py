@@ -14,22 +14,28 @@ routers are F32 in every llama.cpp mix) and another model does not.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tandem.errors import TandemError
+from tandem.errors import TandemError, os_reason
 from tandem.gguf import GGUFFile
-from tandem.models.config import ModelConfig
+
+if TYPE_CHECKING:  # tandem.models imports the weight loader, which imports this package
+    from tandem.models.config import ModelConfig
 
 FORMAT = "tandem-expert-stats"
 VERSION = 1
 ROUTER_SUFFIXES = (".ffn_gate_inp.weight", ".ffn_gate_inp.bias")
 SAMPLE_BYTES = 1 << 16  # of each router tensor, from its start, middle and end
+MAX_BYTES_PER_COUNT = 64  # a picks count in the file's JSON, with room for indentation (bounds what is read)
 
 
 def routing_fingerprint(f: GGUFFile, cfg: ModelConfig) -> str:
@@ -73,12 +79,13 @@ class ExpertStats:
         """The statistics in `path` if it exists (they must be this model's), else empty ones saved there later."""
         stats = cls.empty(f, cfg, path)
         p = Path(path)
-        if not p.exists():
-            return stats
         flag = f"--expert-stats {p}"
+        text = _read_stats_file(p, flag, limit=MAX_BYTES_PER_COUNT * stats.halves.size * 3 // 2 + (1 << 16))
+        if text is None:
+            return stats
         try:
-            doc = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = json.loads(text)
+        except (ValueError, RecursionError) as e:  # beside malformed JSON: 5,000-digit integers, deep nesting
             raise TandemError(f"{flag}: cannot read it as expert statistics ({type(e).__name__}: {e})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise TandemError(f"{flag}: not a tandem expert-statistics file (no \"format\": \"{FORMAT}\")")
@@ -140,14 +147,44 @@ class ExpertStats:
             "counts": self.counts.tolist(),
             "halves": self.halves.tolist(),
         }
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        # Through a symlink to the file it names: renaming over the link would replace the user's link, and the
+        # file it points to would keep the old counts.
+        real = Path(os.path.realpath(target))
+        tmp = real.with_name(f".{real.name}.tmp-{os.getpid()}")
         try:
             tmp.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
-            os.replace(tmp, target)
+            os.replace(tmp, real)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise TandemError(f"--expert-stats {target}: cannot write ({e.strerror or e})") from None
+            with contextlib.suppress(OSError):  # e.g. the folder is gone: the first error is the one to tell
+                tmp.unlink(missing_ok=True)
+            raise TandemError(f"--expert-stats {target}: cannot write ({os_reason(e)})") from None
         return target
+
+
+def _read_stats_file(p: Path, flag: str, limit: int) -> str | None:
+    """The file's text, or None where it does not exist yet and can be written at the end. Refused before anything
+    runs: a FIFO or device (reading would block or never end), a file over `limit` bytes (a model, not statistics:
+    it is not read into memory), a folder that cannot hold the file (a long run's counts would be lost at the end)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        folder = Path(os.path.realpath(p)).parent  # where save() writes (through a symlink, its target's)
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise TandemError(f"{flag}: no such file, and the folder {folder} cannot hold one") from None
+        return None
+    except OSError as e:
+        raise TandemError(f"{flag}: cannot read it ({e.strerror or e})") from None
+    with open(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TandemError(f"{flag}: not a regular file (a folder, FIFO or device), not expert statistics")
+        if info.st_size > limit:
+            raise TandemError(f"{flag}: {info.st_size:,} bytes, more than statistics of this model take "
+                              f"({limit:,}): not an expert-statistics file")  # fmt: skip
+        try:
+            return fh.read(limit).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TandemError(f"{flag}: cannot read it as expert statistics ({type(e).__name__}: {e})") from None
 
 
 def _model_name(f: GGUFFile) -> str:

@@ -18,15 +18,18 @@ import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem.errors import PlacementError
 from tandem.gguf import GGUFFile, TensorInfo
-from tandem.models.config import LayerSpec, ModelConfig
 from tandem.placement.plan import PlacementPlan, RuntimeShape, expert_layer, plan_placement
 from tandem.placement.request import PlacementRequest
 from tandem.quant.types import block_geometry
+
+if TYPE_CHECKING:  # tandem.models imports the weight loader, which imports this package
+    from tandem.models.config import LayerSpec, ModelConfig
 
 Ranges = tuple[tuple[int, int], ...]  # index ranges [start, end) along an axis, kept in this order
 

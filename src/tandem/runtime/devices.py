@@ -7,7 +7,7 @@ import torch
 from tandem.errors import PlacementError, TandemError
 from tandem.gguf import GGUFFile
 from tandem.models.config import ModelConfig
-from tandem.placement import PlacementPlan, cpu_experts_by_layer, streamable
+from tandem.placement import PlacementPlan, check_one_gpu, cpu_experts_by_layer, streamable
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -26,26 +26,15 @@ def resolve_device(device: str | None, n_gpu_layers: int | None = None) -> str:
 
 def check_executable(plan: PlacementPlan) -> None:
     """Raise a one-line PlacementError, naming the flag, for any part of the plan no path can run."""
-    req = plan.request  # under --tp: one rank's plan (its device; runtime/tp.py checks the others)
-    gpus = sorted({d for d in plan.devices.values() if d != "cpu"} | ({req.device} - {"cpu"}))
-    if not gpus:
-        return
+    check_one_gpu(plan)
+    req = plan.request
     if req.device == "cpu":
-        raise PlacementError(
-            f"-ot/--override-tensor {gpus[0]}: with --device cpu every tensor must stay on the CPU; "
-            f"use --device cuda to compute on the GPU"
-        )
+        return
     if not torch.cuda.is_available():
         raise PlacementError(f"--device {req.device}: no CUDA device is visible; use --device cpu")
     count = torch.cuda.device_count()
-    for d in gpus:
-        if int(d.split(":")[1]) >= count:
-            raise PlacementError(f"--device/-ot {d}: only {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})")
-    if len(gpus) > 1 or gpus[0] != req.device:
-        raise PlacementError(
-            f"-ot/--override-tensor {', '.join(gpus)}: tandem computes on one GPU per rank (--device "
-            f"{req.device}): put tensors there or on the CPU (--tp N splits the model over N GPUs)"
-        )
+    if int(req.device.split(":")[1]) >= count:
+        raise PlacementError(f"--device {req.device}: only {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})")
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -9,6 +9,7 @@ under its final name only when complete (temporary name + rename).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
@@ -22,6 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
+from tandem.errors import os_reason
 from tandem.synth.blocks import BlockPool, small_values
 from tandem.synth.layout import TensorSpec, metadata, tensors
 from tandem.synth.presets import Preset, SynthError, get_preset
@@ -243,9 +245,10 @@ def synthesize(
             fits = calibrate_routers(tmp, plan.routing, seed, threads)
         os.replace(tmp, out)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. its folder could not be made: the first error is the one to tell
+            tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):  # disk full, permissions: one line, like any other synth failure
-            raise SynthError(f"{out}: cannot write ({e.strerror or e})") from None
+            raise SynthError(f"{out}: cannot write ({os_reason(e)})") from None
         raise
     size = out.stat().st_size
     return SynthResult(out, plan, size, time.perf_counter() - start, len(header), tuple(fits))

@@ -218,9 +218,9 @@ def parse_template_variables(text: str) -> dict[str, Any]:
     """--chat-template-kwargs: a JSON object of extra chat template variables."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        where = f"{e.msg} at character {e.pos}"
-        raise ChatTemplateError(f"--chat-template-kwargs is not JSON ({where}): {text!r}") from None
+    except (ValueError, RecursionError) as e:  # beside malformed JSON: 5,000-digit integers, nesting past the stack
+        where = f"{e.msg} at character {e.pos}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ChatTemplateError(f"--chat-template-kwargs is not JSON ({where}): {text[:80]!r}") from None
     return template_variables(value)
 
 
