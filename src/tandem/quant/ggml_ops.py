@@ -119,9 +119,11 @@ def _run_graph(
     build: Callable[[], _OpGraph],
     arrays: Sequence[np.ndarray],
     prepare: Callable[[_OpGraph], None] | None = None,
+    read: Callable[[np.ndarray], np.ndarray] = np.copy,
 ) -> np.ndarray:
     """Computes the graph of `key` (built by `build` unless kept from an earlier call; kept when `keep`) on
-    `arrays`, after `prepare` (e.g. the inputs' strides of this call); returns a copy of its output."""
+    `arrays`, after `prepare` (e.g. the inputs' strides of this call); returns what `read` makes of its output's
+    memory (a copy of it by default), which the next call overwrites."""
     with _graphs_lock:
         graph = _GRAPHS.get(key)
         if graph is None:
@@ -135,7 +137,7 @@ def _run_graph(
         if prepare is not None:
             prepare(graph)
         graph.compute(arrays)
-        return graph.out.copy()
+        return read(graph.out)
 
 
 # From this many positions x query rows the attention runs on all of torch's threads (below, one: a thread's wake-up
@@ -239,6 +241,8 @@ def ggml_gated_delta_rule(
         out = ggml.ggml_gated_delta_net(ctx, q_, k_, v_, g_, beta_, state_, 1)  # [o | the final state]
         return _OpGraph.finish((inputs_ctx, ctx), (q_, k_, v_, g_, beta_, state_), out, (n_out + d * d * h,), n_threads)
 
-    result = _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, (q, k, v, g, beta, state))
-    state[...] = result[n_out:].reshape(h, d, d)
-    return result[:n_out].reshape(t, h, d)
+    def read(out: np.ndarray) -> np.ndarray:  # the final state copied once, straight into the caller's
+        state[...] = out[n_out:].reshape(h, d, d)
+        return out[:n_out].reshape(t, h, d).copy()
+
+    return _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, (q, k, v, g, beta, state), read=read)
