@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.cli import main as cli_main
 from tandem.cli.main import EXIT_USER_ERROR, main
@@ -262,3 +263,14 @@ def test_convert_of_a_malformed_checkpoint_is_one_line(
     assert main(["convert", str(hf_dir), "-o", str(out)]) == EXIT_USER_ERROR
     assert name in _one_error_line(capsys)
     assert not out.exists()
+
+
+def test_sampling_takes_llama_cpp_off_values() -> None:
+    """llama.cpp's "off" values mean the same in the API, the CLI and the server (one place: SamplingParams): seed
+    -1 is a fresh random seed, a top-k of 0 or less keeps every token."""
+    from tandem.runtime.sampling import Sampler, SamplingParams
+
+    assert SamplingParams(seed=-1).seed is None
+    params = SamplingParams(top_k=-1, top_p=1.0, min_p=0.0)
+    probs, ids = Sampler(params).candidates(torch.linspace(-3, 3, 100))
+    assert len(ids) == 100 and torch.isclose(probs.sum(), torch.tensor(1.0))

@@ -120,7 +120,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
         "repeat_last_n": args.repeat_last_n,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
-        "seed": None if args.seed == -1 else args.seed,  # llama.cpp's -s -1 (LLAMA_DEFAULT_SEED): a random seed
+        "seed": args.seed,
         "stop": args.stop,
     }
 

@@ -115,7 +115,7 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 or less = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1.0 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1.0 = off (default)")

@@ -46,7 +46,7 @@ class Limit:
 # 10^5 OpenMP threads) or overflows (a seed past torch's 64 bits).
 OPTION_LIMITS: dict[str, Limit] = {
     "temperature": Limit("--temp", -1e9, 1e9, integer=False),
-    "top_k": Limit("--top-k", 0, 2**31 - 1),
+    "top_k": Limit("--top-k", -(2**31), 2**31 - 1),
     "top_p": Limit("--top-p", 0.0, 1.0, integer=False),
     "min_p": Limit("--min-p", 0.0, 1.0, integer=False),
     "repeat_penalty": Limit("--repeat-penalty", 1e-9, 1e9, integer=False),
@@ -84,7 +84,8 @@ def check_option(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """llama.cpp's defaults; `seed=None` draws a fresh seed."""
+    """llama.cpp's defaults; `seed=None` (or -1, llama.cpp's and Ollama's "random") draws a fresh seed; `top_k` <= 0
+    keeps every token, as llama.cpp's."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -100,10 +101,10 @@ class SamplingParams:
         for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip
             check_option(name, getattr(self, name))
+        if self.seed == -1:
+            object.__setattr__(self, "seed", None)
         if self.seed is not None:
             check_option("seed", self.seed)
-        if self.top_k < 0:
-            raise TandemError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise TandemError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -143,8 +143,6 @@ def sampling(f: Fields, max_tokens_names: tuple[str, ...]) -> Generation:
     given = {name: f.option(name) for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                                "repeat_last_n", "presence_penalty", "frequency_penalty",
                                                "seed")}  # fmt: skip
-    if given["seed"] == -1:  # llama-server's and Ollama's "random seed", not the seed -1
-        given["seed"] = None
     try:
         params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
     except TandemError as e:  # what check_option's ranges let through (top_p 0, a negative top_k)
