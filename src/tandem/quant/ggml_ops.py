@@ -68,10 +68,13 @@ class _OpGraph:
         out: ggml.ggml_tensor_p,
         out_shape: tuple[int, ...],
         n_threads: int,
+        after: Sequence[ggml.ggml_tensor_p] = (),
     ) -> _OpGraph:
-        """The graph computing `out` (float32, read as `out_shape`) from `inputs`, planned for n_threads."""
+        """The graph computing `out` (float32, read as `out_shape`) from `inputs`, then the nodes `after` (which
+        write into inputs' memory), planned for n_threads."""
         graph = ggml.ggml_new_graph_custom(contexts[1], 16, False)
-        ggml.ggml_build_forward_expand(graph, out)
+        for node in (out, *after):
+            ggml.ggml_build_forward_expand(graph, node)
         plan = ggml.ggml_graph_plan(graph, n_threads, None)
         work = np.empty(max(int(plan.work_size), 1), dtype=np.uint8)
         plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
@@ -233,16 +236,22 @@ def ggml_gated_delta_rule(
     n_out = d * h * t
 
     def build() -> _OpGraph:
-        inputs_ctx, ctx = _contexts(6, 4 * (n_out + d * d * h))
+        inputs_ctx, ctx = _contexts(7, 4 * (n_out + d * d * h))
         f32 = ggml.GGML_TYPE_F32
         q_, k_, v_ = (ggml.ggml_new_tensor_4d(inputs_ctx, f32, d, h, t, 1) for _ in range(3))
         g_, beta_ = (ggml.ggml_new_tensor_4d(inputs_ctx, f32, 1, h, t, 1) for _ in range(2))
         state_ = ggml.ggml_new_tensor_4d(inputs_ctx, f32, d, d, h, 1)
         out = ggml.ggml_gated_delta_net(ctx, q_, k_, v_, g_, beta_, state_, 1)  # [o | the final state]
-        return _OpGraph.finish((inputs_ctx, ctx), (q_, k_, v_, g_, beta_, state_), out, (n_out + d * d * h,), n_threads)
+        # The final state back into the caller's, a node after the op (which has read it by then), as llama.cpp
+        # copies it into its state cache: on the threads, head by head
+        state_to = ggml.ggml_new_tensor_2d(inputs_ctx, f32, d * d, h)
+        final = ggml.ggml_view_2d(ctx, out, d * d, h, 4 * d * d, 4 * n_out)
+        copy = ggml.ggml_cpy(ctx, final, state_to)  # a view of state_to: its data pointer is set per call too
+        inputs = (q_, k_, v_, g_, beta_, state_, state_to, copy)
+        return _OpGraph.finish((inputs_ctx, ctx), inputs, out, (n_out,), n_threads, after=(copy,))
 
-    def read(out: np.ndarray) -> np.ndarray:  # the final state copied once, straight into the caller's
-        state[...] = out[n_out:].reshape(h, d, d)
-        return out[:n_out].reshape(t, h, d).copy()
+    def read(out: np.ndarray) -> np.ndarray:
+        return out.reshape(t, h, d).copy()
 
-    return _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, (q, k, v, g, beta, state), read=read)
+    arrays = (q, k, v, g, beta, state, state, state)
+    return _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, arrays, read=read)
