@@ -5,12 +5,14 @@ methods). One server for the module, test_server.py's fixture."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 import test_server
 from test_server import CHAT, Running
 
-from tandem.server import protocol
+from tandem.server import app, protocol
 
 server = test_server.server  # this module's own instance of the fixture
 
@@ -103,3 +105,21 @@ def test_wrong_method_names_the_allowed_one(server: Running) -> None:
         assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
         r = http.post("/api/tags")
         assert r.status_code == 405 and r.headers["allow"] == "GET" and r.json()["error"]
+
+
+def test_a_stalled_body_is_408(server: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends its headers and part of the body, then nothing, gets a 408 once the body timeout has
+    passed (uvicorn has none of its own for a body: the connection and its handler would be held for ever)."""
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 1.0)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + test_server.KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n"
+                     b'{"prompt": ')  # fmt: skip
+        start = time.monotonic()
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer[:200]
+    assert 0.9 < time.monotonic() - start < 8
+    assert "did not arrive within 1 s" in answer
+    with server.http() as http:  # the server answers the next request as before
+        assert http.get("/health").status_code == 200

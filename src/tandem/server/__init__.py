@@ -17,6 +17,8 @@ from tandem.server.worker import ChatTemplate, EngineWorker
 
 __all__ = ["ChatTemplate", "EngineWorker", "Server", "create_app", "listen", "serve"]
 
+MAX_CONNECTIONS = 512  # open connections and requests at once (uvicorn's limit_concurrency), within ulimit's 1024
+
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (a one-line TandemError when it cannot be had: port taken, no such
@@ -54,7 +56,9 @@ def serve(
     try:
         if on_ready is not None:
             on_ready(llm)
-        config = uvicorn.Config(create_app(worker, llm, api_key), log_level="info", timeout_graceful_shutdown=5)
+        # limit_concurrency: connections past it get a 503 at once instead of file descriptors and handlers
+        config = uvicorn.Config(create_app(worker, llm, api_key), log_level="info", timeout_graceful_shutdown=5,
+                                limit_concurrency=MAX_CONNECTIONS)  # fmt: skip
         _Server(config).run(sockets=[sock])
     finally:
         worker.stop()

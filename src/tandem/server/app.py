@@ -29,6 +29,10 @@ from tandem.server import protocol
 from tandem.server.protocol import MAX_BODY_BYTES, APIError, Generation
 from tandem.server.worker import EngineWorker, Event, Failed, Finished, Job, Piece, Started
 
+# A request body must have arrived this long after its headers: a client that stalls mid-body (or a slowloris) would
+# otherwise hold its connection and a handler for ever (uvicorn has no timeout for the body).
+BODY_TIMEOUT_S = 60.0
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -192,20 +196,24 @@ class Server:
 
     @staticmethod
     async def _json(request: Request) -> dict[str, Any]:
-        """The body as a JSON object, at most MAX_BODY_BYTES (413 past it)."""
+        """The body as a JSON object, at most MAX_BODY_BYTES (413 past it), within BODY_TIMEOUT_S (408 past it)."""
         too_large = APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise too_large
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise too_large
-                chunks.append(chunk)
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_BODY_BYTES:
+                        raise too_large
+                    chunks.append(chunk)
         except ClientDisconnect:
             raise APIError(400, "the client disconnected before sending the whole body") from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
         return protocol.parse_json(b"".join(chunks))
 
     async def _start(self, gen: Generation) -> tuple[Job, Started]:
