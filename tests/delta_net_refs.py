@@ -93,7 +93,8 @@ def random_state(shape: DeltaNetShape, device: str, seed: int) -> DeltaNetState:
     state = DeltaNetPool.allocate(1, shape, "cpu").slot(0)
     state.conv.copy_(torch.randn(state.conv.shape, generator=g) * 2.0)
     state.ssm.copy_(torch.randn(state.ssm.shape, generator=g))
-    return DeltaNetState(state.conv.to(device), state.ssm.to(device))
+    # contiguous [Hv, Dk, Dv], as a GPU pool holds it (the kernels address it so; the CPU's pool keeps ggml's layout)
+    return DeltaNetState(state.conv.to(device), state.ssm.to(device).contiguous())
 
 
 def layer_to(layer: GatedDeltaNet, device: str) -> GatedDeltaNet:
