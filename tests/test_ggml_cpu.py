@@ -382,14 +382,15 @@ def test_fused_geglu_matches_two_products_and_the_gelu_table(kernels: CPUKernels
 def test_attention_graph_matches_the_emulation(rows: int, window: int | None, scale: float, with_sinks: bool) -> None:
     """Query rows over an f16 cache: ggml's attention nodes (`ggml_attention`) give the lane-ordered emulation's
     results bit for bit, with grouped KV heads, a sliding window, ragged key counts and sinks, for one row (the
-    decode step) and for several (prefill: the last rows of the keys' positions)."""
+    decode step) and for several (prefill: the last rows of the keys' positions), also where a window leaves
+    the first runs of 64 keys out of the product."""
     from tandem.layers.attention import AttentionShape, _attend_ggml, attend
 
     shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=128, value_dim=64, scale=scale, sliding_window=window)
     torch.manual_seed(14)
     # sinks around the scores' size, one far above them (its head's probabilities are then all tiny)
     sinks = torch.tensor([0.5, -2.0, 3.0, 40.0]) if with_sinks else None
-    for n_keys in (rows, rows + 13, 64 + rows, 100 + rows):
+    for n_keys in (rows, rows + 13, 64 + rows, 100 + rows, 300 + rows):  # the last: a window past 64 keys
         q = torch.randn(rows, 4, 128) * 3
         keys, values = torch.randn(n_keys, 2, 128).half(), torch.randn(n_keys, 2, 64).half()
         position = torch.arange(n_keys - rows, n_keys)

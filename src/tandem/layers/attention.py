@@ -542,7 +542,9 @@ def _attend_ggml_nodes(
     Keys and values are padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view: the
     padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail. ggml reads
     the first N positions of `kv` in float32, from the copies it keeps (LayerKV.float32_rows). Rows go through
-    in chunks that bound the scores' memory."""
+    in chunks that bound the scores' memory, each over the keys its rows see, cut at multiples of 64 positions
+    (as `_attend_ggml`): the keys left out before and after have probability 0 and would only add zeros, in the
+    same lanes, to every sum (a sliding window's layer reads its window, a prompt's first rows their prefix)."""
     t, n_keys = allowed.shape
     padded = -(-n_keys // _KV_PAD) * _KV_PAD
     scale_queries, kq_scale = query_scaling(s.scale)
@@ -551,16 +553,20 @@ def _attend_ggml_nodes(
         q32 = q32 * np.float32(s.scale)
     q16 = q32.astype(np.float16).astype(np.float32).transpose(1, 0, 2)  # [H, T, D]
     k, vt = kv.float32_rows(n_keys, padded)  # values transposed: the sums over positions run along rows
+    k32, vt32 = k.numpy(), vt.numpy()
     mask = np.full((t, padded), -np.inf, dtype=np.float32)
     mask[:, :n_keys][allowed] = 0.0
-    threads = torch.get_num_threads() if padded * t >= ATTENTION_THREADED_FROM else 1
     rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * padded))
     sink = None if sinks is None else np.ascontiguousarray(sinks.detach().float().cpu().numpy())
-    outs = [
-        ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k.numpy(), vt.numpy(),
-                       mask[r0 : r0 + rows], float(kq_scale), threads, sink)  # fmt: skip
-        for r0 in range(0, t, rows)
-    ]
+    outs = []
+    for r0 in range(0, t, rows):
+        seen = np.flatnonzero(allowed[r0 : r0 + rows].any(0))  # a row sees at least its own position
+        lo, hi = int(seen[0]) // _KV_PAD * _KV_PAD, -(-(int(seen[-1]) + 1) // _KV_PAD) * _KV_PAD
+        n_rows = min(rows, t - r0)
+        threads = torch.get_num_threads() if (hi - lo) * n_rows >= ATTENTION_THREADED_FROM else 1
+        outs.append(ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k32[lo:hi], vt32[..., lo:hi],
+                                   np.ascontiguousarray(mask[r0 : r0 + rows, lo:hi]), float(kq_scale), threads,
+                                   sink))  # fmt: skip
     out = torch.from_numpy(np.concatenate(outs, axis=1)).transpose(0, 1)  # [T, H, Dv]
     return out.to(device=q.device, dtype=q.dtype)
 
