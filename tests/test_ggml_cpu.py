@@ -375,7 +375,7 @@ def test_fused_geglu_matches_two_products_and_the_gelu_table(kernels: CPUKernels
         kernels.geglu(torch.randn(gtiled.TILED_MIN_ROWS, 512), *pairs[0])
 
 
-@pytest.mark.parametrize("rows", [1, 7, 40])  # decoding; prefill rows (llama.cpp: tinyBLAS's 16 lanes)
+@pytest.mark.parametrize("rows", [1, 7, 40, 150])  # decoding; prefill (tinyBLAS's 16 lanes), 150: two chunks
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("scale", [0.0625, 0.1])  # scaled queries (a power of two) or scaled scores
 @pytest.mark.parametrize("with_sinks", [False, True])  # gpt-oss: a sink logit per head

@@ -396,6 +396,7 @@ _SIMD = _simd_layout()
 _KV_PAD = 64  # llama.cpp pads the KV view to this many positions: where its vector runs end and a scalar tail starts
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [lanes, ...] partial-sum arrays (16 MiB)
 _SMALL = 1 << 16  # partial sums smaller than this are added in numpy, larger ones in torch
+_ROWS_PER_CHUNK = 128  # a prompt's query rows per ggml attention call: each chunk reads only the keys it sees
 
 
 def _reduce_register(acc: np.ndarray) -> np.ndarray:
@@ -556,7 +557,7 @@ def _attend_ggml_nodes(
     k32, vt32 = k.numpy(), vt.numpy()
     mask = np.full((t, padded), -np.inf, dtype=np.float32)
     mask[:, :n_keys][allowed] = 0.0
-    rows = max(1, _CHUNK_ELEMENTS // (s.n_heads * padded))
+    rows = max(1, min(_ROWS_PER_CHUNK, _CHUNK_ELEMENTS // (s.n_heads * padded)))
     sink = None if sinks is None else np.ascontiguousarray(sinks.detach().float().cpu().numpy())
     outs = []
     for r0 in range(0, t, rows):
