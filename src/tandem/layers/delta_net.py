@@ -7,7 +7,9 @@ projections, then the gated delta rule on one recurrent state S [Dk, Dv] per val
 
 Two forms compute it: `recurrent_gated_delta_rule` (token by token, for decode) and
 `chunked_gated_delta_rule` (chunks of 64 tokens through the UT transform, for prefill), as in
-transformers' torch reference and llama.cpp; they agree to float32 rounding.
+transformers' torch reference and llama.cpp; they agree to float32 rounding. On the CPU, llama.cpp's fused
+`gated_delta_net` op (`quant/ggml_ops.py`) computes it instead, prompt and decode alike, on a state the CPU's
+pool keeps in ggml's layout (each head's S transposed in memory, the tensor still indexed [Hv, Dk, Dv]).
 
 A decode step of `GatedDeltaNet` on a GPU (one token per sequence, the sequences' states in the pool's slots)
 runs between the projections as two Triton kernels (cuda/delta_net.py) instead of the torch ops below, and can
