@@ -122,11 +122,9 @@ def _run_graph(
     build: Callable[[], _OpGraph],
     arrays: Sequence[np.ndarray],
     prepare: Callable[[_OpGraph], None] | None = None,
-    read: Callable[[np.ndarray], np.ndarray] = np.copy,
 ) -> np.ndarray:
     """Computes the graph of `key` (built by `build` unless kept from an earlier call; kept when `keep`) on
-    `arrays`, after `prepare` (e.g. the inputs' strides of this call); returns what `read` makes of its output's
-    memory (a copy of it by default), which the next call overwrites."""
+    `arrays`, after `prepare` (e.g. the inputs' strides of this call); returns a copy of its output."""
     with _graphs_lock:
         graph = _GRAPHS.get(key)
         if graph is None:
@@ -140,7 +138,7 @@ def _run_graph(
         if prepare is not None:
             prepare(graph)
         graph.compute(arrays)
-        return read(graph.out)
+        return graph.out.copy()
 
 
 # From this many positions x query rows the attention runs on all of torch's threads (below, one: a thread's wake-up
@@ -250,8 +248,5 @@ def ggml_gated_delta_rule(
         inputs = (q_, k_, v_, g_, beta_, state_, state_to, copy)
         return _OpGraph.finish((inputs_ctx, ctx), inputs, out, (n_out,), n_threads, after=(copy,))
 
-    def read(out: np.ndarray) -> np.ndarray:
-        return out.reshape(t, h, d).copy()
-
     arrays = (q, k, v, g, beta, state, state, state)
-    return _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, arrays, read=read)
+    return _run_graph(("gated_delta_net", t, h, d, n_threads), t == 1, build, arrays).reshape(t, h, d)
