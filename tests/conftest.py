@@ -29,7 +29,7 @@ from tandem.convert import convert_hf
 # `make test` installs; without a GPU a missing stack stays an import error, so CI cannot lose the server tests.
 collect_ignore = []
 if importlib.util.find_spec("openai") is None and os.path.exists("/dev/nvidia0"):
-    collect_ignore.append("test_server.py")
+    collect_ignore += ["test_server.py", "test_server_qa.py"]
 
 
 def _build(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Path]) -> tuple[Path, Path]:
