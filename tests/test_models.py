@@ -132,3 +132,25 @@ def test_causal_attention_from_an_empty_cache_needs_no_mask() -> None:
     causal = _sdpa(q, k, v, None, s, h // g)
     assert causal.shape == (t, h, dv)
     torch.testing.assert_close(causal, _sdpa(q, k, v, allowed, s, h // g), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("h, g", [(8, 2), (6, 3), (4, 4)])
+def test_masked_attention_with_grouped_heads_folds_them_into_rows(h: int, g: int, window: int | None) -> None:
+    """A masked chunk's attention on a GPU with grouped KV heads (layers/attention.py `_sdpa`) runs the query heads
+    of each KV head as one head's rows: the attention of every head over its KV head's keys, as the float32
+    reference computes it head by head (a later chunk: its queries at positions 7.., windowed or not). torch's SDPA
+    on the CPU, the layout only."""
+    from tandem.layers.attention import AttentionShape, _allowed, _sdpa
+
+    torch.manual_seed(1)
+    t, n_keys, d, dv = 6, 13, 16, 8
+    s = AttentionShape(n_heads=h, n_kv_heads=g, head_dim=d, value_dim=dv, scale=d**-0.5, sliding_window=window)
+    q, k, v = torch.randn(t, h, d), torch.randn(n_keys, g, d), torch.randn(n_keys, g, dv)
+    allowed = _allowed(torch.arange(7, 7 + t), torch.arange(n_keys), window)
+    out = _sdpa(q, k, v, allowed, s, h // g)
+    assert out.shape == (t, h, dv)
+    for head in range(h):
+        kv = head // (h // g)
+        scores = (q[:, head] @ k[:, kv].T * s.scale).masked_fill(~allowed, float("-inf"))
+        torch.testing.assert_close(out[:, head], torch.softmax(scores, -1) @ v[:, kv], rtol=0, atol=1e-5)

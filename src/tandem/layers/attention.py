@@ -350,17 +350,34 @@ def _sdpa(
     """torch's fused attention of q [T, H, D] over keys/values [S, G, D] -> [T, H, Dv] in q's dtype: masked by
     `allowed` [T, S], or causal (T == S) without it. With a half-precision cache the queries are rounded to the
     cache's type, as llama.cpp's flash attention rounds them (its scores and softmax stay f32 inside the kernel),
-    so that the flash kernel runs: float32 queries would take torch's slow math path."""
+    so that the flash kernel runs: float32 queries would take torch's slow math path.
+
+    With a mask and grouped KV heads, the query heads of each KV head are one head's rows ([G, group*T, D], the
+    mask repeated for each): torch's fused kernel that takes a mask (memory-efficient attention) has no grouped
+    form, and its math path would hold every head's scores and probabilities in float32 (H x T x S each, above
+    the plan's workspace for a prompt longer than -b) and the keys and values repeated per head."""
     work = keys.dtype if keys.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    t, n_heads, d = q.shape
+    n_kv = keys.shape[1]
+    fold = allowed is not None and group > 1
+    queries = q.to(work)
+    if fold:  # row r*T + i of KV head g: query head g*group + r at row i
+        queries = queries.view(t, n_kv, group, d).permute(1, 2, 0, 3).reshape(n_kv, group * t, d).unsqueeze(0)
+        mask = allowed.repeat(group, 1).view(1, 1, group * t, -1)
+    else:
+        queries = queries.transpose(0, 1).unsqueeze(0)
+        mask = None if allowed is None else allowed.view(1, 1, *allowed.shape)
     out = F.scaled_dot_product_attention(
-        q.to(work).transpose(0, 1).unsqueeze(0),
+        queries,
         keys.to(work).transpose(0, 1).unsqueeze(0),
         values.to(work).transpose(0, 1).unsqueeze(0),
-        attn_mask=None if allowed is None else allowed.view(1, 1, *allowed.shape),
+        attn_mask=mask,
         is_causal=allowed is None,
         scale=s.scale,
-        enable_gqa=group > 1,
-    )  # [1, H, T, Dv]
+        enable_gqa=group > 1 and not fold,
+    )  # [1, H, T, Dv], or folded [1, G, group*T, Dv]
+    if fold:
+        return out[0].view(n_kv, group, t, -1).permute(2, 0, 1, 3).reshape(t, n_heads, -1).to(q.dtype)
     return out[0].transpose(0, 1).to(q.dtype)
 
 
