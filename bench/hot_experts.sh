@@ -12,7 +12,7 @@
 #            --cpu-moe --moe-cache $HOT_CACHE, both placed by the statistics (each run its own copy of them),
 #            and at the budget with --moe-cache-refresh $HOT_REFRESH
 #   uniform  the plain (uniform-routing) model: --gpu-memory $HOT_BUDGET with statistics against without (whole
-#            layers) and --n-cpu-moe $HOT_LAYERS
+#            layers), and with statistics and --moe-cache-refresh $HOT_REFRESH
 #   synth    make the models of the steps named after it and record their routing statistics (untimed, so
 #            device_compare.sh runs it while llama.cpp builds)
 #   drift    zipf:1.0,drift:4 model: tandem bench --drift (teacher-forced decode, the hot set moving every
@@ -171,7 +171,9 @@ for step in "$@"; do
       say "uniform: $(basename "$u")"
       statistics uniform "$u" && bench uniform-stats -m "$u" --gpu-memory "$BUDGET" --expert-stats "$(own "$u.stats" run)"
       bench uniform-layers -m "$u" --gpu-memory "$BUDGET"
-      grep -h "gpu-memory" "$work/uniform-stats.out" "$work/uniform-layers.out" | grep -i "whole\|cached" | head -4
+      statistics uniform "$u" && bench uniform-refresh -m "$u" --gpu-memory "$BUDGET" \
+        --expert-stats "$(own "$u.stats" refresh)" --moe-cache-refresh "$REFRESH"
+      grep -h "gpu-memory" "$work"/uniform-{stats,layers,refresh}.out | grep -i "whole\|cached" | head -6
       ;;
     drift)
       d=$(model "${routing_of[drift]}") || continue
