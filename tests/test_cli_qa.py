@@ -166,6 +166,18 @@ def test_run_system_prompt_needs_chat(tiny_qwen3_gguf: tuple[Path, Path], capsys
     assert "-sys/--system-prompt needs --chat" in _one_error_line(capsys)
 
 
+def test_context_above_the_training_context_is_noticed(
+    tiny_qwen3_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As llama.cpp warns of a training-context overflow: the tiny model was trained on 512 tokens."""
+    argv = ["run", "-m", str(tiny_qwen3_gguf[1]), "--device", "cpu", "-p", "hi", "-n", "2", "--temp", "0"]
+    for ctx, noticed in (("1024", True), ("512", False)):
+        assert main([*argv, "-c", ctx]) == 0
+        err = capsys.readouterr().err
+        notice = "notice: the context size 1,024 (-c) is above the 512 tokens the model was trained on"
+        assert (notice in err) == noticed and ("trained on" in err) == noticed, err
+
+
 def test_seed_minus_one_is_random_as_in_llama_cpp(
     tiny_qwen3_gguf: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

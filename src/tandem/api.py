@@ -230,6 +230,12 @@ class LLM:
             self.placed = loader.placed()
             self.notices = loader.notices()
         self.n_ctx = n_ctx
+        trained = self.file.arch_get("context_length")  # as llama.cpp warns; a file without the key: no claim
+        if isinstance(trained, int) and 0 < trained < n_ctx:
+            self.notices.append(
+                f"the context size {n_ctx:,} (-c) is above the {trained:,} tokens the model was trained on: text "
+                "past them may degrade"
+            )
         self._max_token_bytes: int | None = None  # see _check_fits
         self.engine = Engine(
             self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel,
