@@ -26,11 +26,11 @@ import ggml
 import numpy as np
 import torch
 
-from tandem.layers.activations import ACTIVATIONS, Gated
+from tandem.layers.activations import ACTIVATIONS
 from tandem.layers.attention import Attention, query_scaling
-from tandem.layers.linear import GGMLLinear
+from tandem.layers.linear import BiasedLinear, GGMLLinear
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.moe import MoE, SoftmaxTopKRouter
+from tandem.layers.moe import MoE, SoftmaxTopKRouter, TopKSoftmaxRouter
 from tandem.models.blocks import Block
 from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
 from tandem.models.decoder import DecoderModel
@@ -75,12 +75,12 @@ def _block_unsupported(block: object, pool: object) -> str | None:
     if type(m) is not Attention or not isinstance(pool, KVPool):
         return f"mixer {type(m).__name__}"
     s = m.shape
-    if m.v is None or m.v_norm or m.sinks is not None or s.softcap is not None:
-        return "attention with shared K/V, value norms, sinks or softcap"
-    if not all(isinstance(p, GGMLLinear) for p in (m.q, m.k, m.v, m.o)):
+    if m.v is None or m.v_norm or s.softcap is not None:
+        return "attention with shared K/V, value norms or softcap"
+    if not all(_by_ggml(p) for p in (m.q, m.k, m.v, m.o)):
         return "attention projections not read by ggml"
-    if m.rope.spec.yarn is not None or m.rope.spec.freq_factors is not None:
-        return "YaRN or rope frequency factors"
+    if m.rope.spec.freq_factors is not None:
+        return "rope frequency factors"
     if pool.k.dtype not in _CACHE_TYPES or pool.window is not None:
         return f"a {pool.k.dtype} cache"
     if pool.k.shape[0] * (pool.k.shape[1] + KV_PAD) >= 2**31:
@@ -95,12 +95,17 @@ def _block_unsupported(block: object, pool: object) -> str | None:
         return None
     if isinstance(ffn, MoE):
         router, experts = ffn.router, ffn.experts
-        if type(router) is not SoftmaxTopKRouter or not isinstance(router.proj, GGMLLinear):
+        if type(router) not in (SoftmaxTopKRouter, TopKSoftmaxRouter) or not isinstance(router.proj, GGMLLinear):
             return f"router {type(router).__name__}"
-        if getattr(experts, "_graph", None) is None or not isinstance(getattr(experts, "glu", None), Gated):
+        if getattr(experts, "_graph", None) is None:
             return "routed experts not computed by one ggml graph"
         return None
     return f"feed-forward {type(ffn).__name__}"
+
+
+def _by_ggml(linear: object) -> bool:
+    """A projection ggml multiplies (with a bias vector added after it, as llama.cpp adds it)."""
+    return isinstance(linear.inner if isinstance(linear, BiasedLinear) else linear, GGMLLinear)
 
 
 # -- the cache as the graph sees it -------------------------------------------------------------------------------
@@ -374,7 +379,7 @@ class _StepBuilder:
         windows = attention_kinds(model)
         n_layers, n_seqs = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
         n_cuts = n_layers if key.n_tokens >= TILED_MIN_ROWS else 0
-        self.b = GraphBuilder(n_tensors=512 + n_layers * (96 + 40 * n_seqs), n_segments=n_cuts + 1)
+        self.b = GraphBuilder(n_tensors=512 + n_layers * (112 + 40 * n_seqs), n_segments=n_cuts + 1)
         self.ctx = self.b.ctx
         t = key.n_tokens
         self.kinds = {w: i for i, w in enumerate(windows)}
@@ -447,6 +452,8 @@ class _StepBuilder:
         return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps), self.b.vector(weight))
 
     def _linear(self, linear: object, x: Tensor) -> Tensor:
+        if isinstance(linear, BiasedLinear):
+            return ggml.ggml_add(self.ctx, self._linear(linear.inner, x), self.b.vector(linear.bias))
         assert isinstance(linear, GGMLLinear)
         return ggml.ggml_mul_mat(self.ctx, self.b.weight(linear.weight), x)
 
@@ -478,6 +485,7 @@ class _StepBuilder:
         q, k = self._norm_rope(q, q_norm, m), self._norm_rope(k, m.k_norm, m)
         self._store(i, k, v, g, dv)
         kind = self.kinds[self.windows[i]]
+        sinks = None if m.sinks is None else self.b.vector(m.sinks)  # [H]
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
         members = () if self.group is None else self.group.shape.members
         blocks = [(j, seq.slot, block) for j, seq in enumerate(self.key.seqs) for block in seq.blocks]
@@ -495,7 +503,7 @@ class _StepBuilder:
             first, n_keys = block.views[kind]
             keys, values_t = self._cache_views(i, slot, first, n_keys, 1, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
-            kq = ggml.ggml_soft_max_ext(ctx, kq, self.masks[n_block][kind], float(kq_scale), 0.0)
+            kq = self._softmax(kq, self.masks[n_block][kind], kq_scale, sinks)
             if f16:  # the probabilities too
                 kq = self._f16(kq)
             out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
@@ -503,7 +511,7 @@ class _StepBuilder:
             out = ggml.ggml_reshape_3d(ctx, out, dv, nh, 1) if block.n == 1 else ggml.ggml_permute(ctx, out, 0, 2, 1, 3)
             parts.append((block.offset, block.n, out))
         if self.group is not None:  # its rows [Dv*H, members]: the step's when every sequence is a member
-            parts.append((-1, len(members), self._group_attention(i, q, kind, scale_queries, kq_scale, f16)))
+            parts.append((-1, len(members), self._group_attention(i, q, kind, scale_queries, kq_scale, f16, sinks)))
         if len(parts) == 1 and parts[0][1] == t:  # one block, or the group, of every row
             offset, _, out = parts[0]
             if offset == 0 and t > 1:
@@ -520,7 +528,7 @@ class _StepBuilder:
         return self._linear(m.o, attn)  # [D, T]
 
     def _group_attention(
-        self, i: int, q: Tensor, kind: int, scale_queries: bool, kq_scale: float, f16: bool
+        self, i: int, q: Tensor, kind: int, scale_queries: bool, kq_scale: float, f16: bool, sinks: Tensor | None
     ) -> Tensor:
         """The decode group's attention (DecodeGroup): each slot of its range with its member's query, over the
         range's keys, as the members' blocks compute it one by one -> [Dv*H, members], in the members' order."""
@@ -536,11 +544,19 @@ class _StepBuilder:
         first, n_keys = group.shape.views[kind]
         keys, values_t = self._cache_views(i, group.shape.lo, first, n_keys, n, g, hd, dv)
         kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, 1, H, slots]
-        kq = ggml.ggml_soft_max_ext(ctx, kq, group.masks[kind], float(kq_scale), 0.0)
+        kq = self._softmax(kq, group.masks[kind], kq_scale, sinks)
         if f16:
             kq = self._f16(kq)
         out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, 1, H, slots]
         return ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, out, dv * nh, n), group.output_rows)
+
+    def _softmax(self, kq: Tensor, mask: Tensor, kq_scale: float, sinks: Tensor | None) -> Tensor:
+        """soft_max_ext over the keys (dimension 0), with each head's sink logit (heads: dimension 2) in the
+        denominator where the model has them, as llama.cpp's graph adds them to the same node."""
+        kq = ggml.ggml_soft_max_ext(self.ctx, kq, mask, float(kq_scale), 0.0)
+        if sinks is not None:
+            ggml.ggml_soft_max_add_sinks(kq, sinks)
+        return kq
 
     def _f16(self, x: Tensor) -> Tensor:
         """x's values rounded to f16, as a contiguous float32 tensor."""
@@ -550,9 +566,12 @@ class _StepBuilder:
         ctx = self.ctx
         if norm is not None:
             x = self._norm(x, norm, m.norm_eps)
-        spec = m.rope.spec
-        return ggml.ggml_rope_ext(ctx, x, self.pos, None, spec.dim, _ROPE_NEOX, self.model.cfg.context_length,
-                                  spec.base, spec.scale, 0.0, 1.0, 32.0, 1.0)  # fmt: skip
+        spec, y = m.rope.spec, m.rope.spec.yarn
+        if y is None:
+            return ggml.ggml_rope_ext(ctx, x, self.pos, None, spec.dim, _ROPE_NEOX, self.model.cfg.context_length,
+                                      spec.base, spec.scale, 0.0, 1.0, 32.0, 1.0)  # fmt: skip
+        return ggml.ggml_rope_ext(ctx, x, self.pos, None, spec.dim, _ROPE_NEOX, y.n_ctx_orig, spec.base, spec.scale,
+                                  y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow)  # fmt: skip
 
     def _store(self, i: int, k: Tensor, v: Tensor, g: int, dv: int) -> None:
         """The step's keys and values into the f16 rows and the float32 copies of their slots, as part of the graph
@@ -622,14 +641,22 @@ class _StepBuilder:
         graph), as llama.cpp's build_moe_ffn."""
         ctx, t = self.ctx, int(h.contents.ne[1])
         router = moe.router
-        assert isinstance(router, SoftmaxTopKRouter)
-        probs = ggml.ggml_soft_max(ctx, self._linear(router.proj, h))  # [E, T]
         a = router.n_active
-        ids = ggml.ggml_argsort_top_k(ctx, probs, a)  # [A, T] int32
-        weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, int(probs.contents.ne[0]), t), ids)
-        if router.renormalize:  # [1, A, T] / the sum over A
-            flat = ggml.ggml_reshape_2d(ctx, weights, a, t)
-            weights = ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat))
+        if isinstance(router, TopKSoftmaxRouter):  # the top-k logits (+ bias), then a softmax over those
+            logits = self._linear(router.proj, h)  # [E, T]
+            if router.bias is not None:
+                logits = ggml.ggml_add(ctx, logits, self.b.vector(router.bias))
+            ids = ggml.ggml_argsort_top_k(ctx, logits, a)  # [A, T] int32
+            top = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, logits, 1, int(logits.contents.ne[0]), t), ids)
+            weights = ggml.ggml_soft_max(ctx, ggml.ggml_reshape_2d(ctx, top, a, t))  # [A, T]
+        else:  # a softmax over every expert, then the top k (renormalised where the model says so)
+            assert isinstance(router, SoftmaxTopKRouter)
+            probs = ggml.ggml_soft_max(ctx, self._linear(router.proj, h))  # [E, T]
+            ids = ggml.ggml_argsort_top_k(ctx, probs, a)  # [A, T] int32
+            weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, int(probs.contents.ne[0]), t), ids)
+            if router.renormalize:  # [1, A, T] / the sum over A
+                flat = ggml.ggml_reshape_2d(ctx, weights, a, t)
+                weights = ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat))
         mix = ggml.ggml_reshape_3d(ctx, weights, a, 1, t)
         ffn = self.experts[id(moe)]
         w = {}
