@@ -121,6 +121,7 @@ def test_several_sequences_in_one_step(gemma: tuple[tandem.LLM, StepGraph]) -> N
     ("tiny_qwen3moe_gguf", (100, 10, 70, 80), "f16"),  # grouped-query heads
     ("tiny_qwen3moe_gguf", (100, 10, 70, 80), "f32"),
     ("tiny_gpt_oss_gguf", (100, 10, 70, 80), "f16"),  # sinks, biases, sliding window
+    ("tiny_gemma4_q8_0_gguf", (100, 10, 70, 80), "f16"),  # two head sizes, values = keys, value norms
 ])  # fmt: skip
 def test_decoding_sequences_attend_as_one_group(model: str, lengths: tuple[int, ...], cache_type: str,
                                                 request: pytest.FixtureRequest,
@@ -192,7 +193,10 @@ def test_a_group_keeps_its_program_while_its_members_move() -> None:
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf", "tiny_gpt_oss_gguf"])
 def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, request: pytest.FixtureRequest) -> None:
-    """The graphs' SwiGLU, GELU formula and routing are ggml's ops, the layer path's torch's: close, not equal."""
+    """The graphs' SwiGLU, GELU formula and routing are ggml's ops, the layer path's torch's: close, not equal.
+    (Gemma 4 is checked against llama.cpp instead, tests/test_gpt_oss_gemma4.py: on its Q8_0 file an attention
+    output one float32 rounding away moves a Q8_0 activation code, ~1e-3 in the next product, between any two
+    orders of summation: the layer path's prompt rows against its own decode steps too.)"""
     _, path = request.getfixturevalue(fixture)
     with tandem.LLM(Path(path), device="cpu", n_ctx=256, threads=2, n_batch=32, cache_type=cache_type) as llm:
         graph = _graphs(llm)
@@ -202,7 +206,7 @@ def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, requ
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_gemma4_gguf"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_qwen3next_gguf"])
 def test_uncovered_models_keep_the_layer_path(fixture: str, request: pytest.FixtureRequest) -> None:
     _, path = request.getfixturevalue(fixture)
     with tandem.LLM(Path(path), device="cpu", n_ctx=64, threads=2) as llm:

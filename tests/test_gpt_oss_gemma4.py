@@ -227,11 +227,16 @@ def test_gemma4_gguf_layout_and_parallel_ffn(tiny_gemma4_gguf: tuple[Path, Path]
 GEMMA4_LLAMA_CPP = Path(__file__).parent / "fixtures" / "gemma4_llamacpp.json"
 
 
-def test_gemma4_logits_match_llama_cpp(tiny_gemma4_q8_0_gguf: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("cpu_graph", ["1", "0"], ids=["step-graphs", "layer-path"])
+def test_gemma4_logits_match_llama_cpp(
+    tiny_gemma4_q8_0_gguf: tuple[Path, Path], cpu_graph: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tiny Gemma 4 in Q8_0 against llama.cpp reading the same GGUF (scripts/record_qwen35moe_fixture.py
     --fixture gemma4): a prefill in one batch and the last tokens decoded one at a time, on 7 and 80 tokens
-    (past the sliding window of 16). Quantized, so that both GEGLUs read ggml's f16 GELU table in tandem as in
-    llama.cpp; a float file keeps transformers' tanh formula, ~1e-3 from llama.cpp (docs/gemma4_gelu.md)."""
+    (past the sliding window of 16), through the CPU step graphs (the default) and the layer path. Quantized, so
+    that both GEGLUs read ggml's f16 GELU table in tandem as in llama.cpp; a float file keeps transformers' tanh
+    formula, ~1e-3 from llama.cpp (docs/gemma4_gelu.md)."""
+    monkeypatch.setenv("TANDEM_CPU_GRAPH", cpu_graph)
     fx = json.loads(GEMMA4_LLAMA_CPP.read_text(encoding="utf-8"))
     model = fx["models"]["gemma4"]
     with tandem.LLM(tiny_gemma4_q8_0_gguf[1], cache_type="f32", threads=1, n_ctx=64) as llm:

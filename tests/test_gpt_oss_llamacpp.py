@@ -19,8 +19,13 @@ from tandem.models import read_config
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+@pytest.mark.parametrize("cpu_graph", ["1", "0"], ids=["step-graphs", "layer-path"])
 @pytest.mark.parametrize("variant", ["yarn", "mxfp4"])
-def test_logits_match_llama_cpp(variant: str, request: pytest.FixtureRequest) -> None:
+def test_logits_match_llama_cpp(
+    variant: str, cpu_graph: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the CPU step graphs (the default) and the layer path."""
+    monkeypatch.setenv("TANDEM_CPU_GRAPH", cpu_graph)
     _, gguf_path = request.getfixturevalue(f"tiny_gpt_oss_{variant}_gguf")
     fx = json.loads((FIXTURES / f"gpt_oss_{variant}_llamacpp.json").read_text(encoding="utf-8"))
     assert_logits_match_llama_cpp(gguf_path, fx["prompts"], fx["meta"]["gguf_sha256"], label=f"{variant} gpt-oss",

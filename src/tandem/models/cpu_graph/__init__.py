@@ -3,10 +3,11 @@ graph, or a few, instead of layer by layer through torch and small ggml calls (m
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`decoder.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
-"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3, qwen3moe
-and gpt-oss; qwen3, covered too, keeps the layer path unless switched on). The graphs multiply a MoE model's expert
-stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by default
-where the whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's blocks.
+"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3, qwen3moe,
+gpt-oss and gemma4; qwen3, covered too, keeps the layer path unless switched on). The graphs multiply a MoE model's
+expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by
+default where the whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's
+blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections import OrderedDict
 
 import torch
 
-from tandem.layers.moe import MoE
 from tandem.models.cpu_graph.decoder import (
     CacheCopies,
     Pieces,
@@ -24,6 +24,7 @@ from tandem.models.cpu_graph.decoder import (
     StepProgram,
     attention_kinds,
     build_step,
+    routed_branches,
     step_key,
     unsupported,
 )
@@ -37,7 +38,7 @@ __all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
 # Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
 # a benchmark showed them faster (docs/PERFORMANCE.md).
-DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3", "qwen3moe", "gpt-oss"})
+DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3", "qwen3moe", "gpt-oss", "gemma4"})
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 
@@ -59,8 +60,8 @@ class StepGraph:
         self.model, self.pool = model, pool
         self.kinds = attention_kinds(model)
         self.caches = [CacheCopies.of(layer) for layer in pool.layers]
-        # per MoE layer, keyed by the id of its MoE: its experts as the layer path's ggml graph describes them
-        self.experts = {id(b.ffn): b.ffn.experts._graph[1] for b in model.blocks if isinstance(b.ffn, MoE)}
+        # per routed branch, keyed by its id: its experts as the layer path's ggml graph describes them
+        self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 

@@ -28,9 +28,10 @@ import torch
 
 from tandem.layers.activations import ACTIVATIONS
 from tandem.layers.attention import Attention, query_scaling
+from tandem.layers.ffn import NormedFFN, ParallelFFN, RoutedFFN
 from tandem.layers.linear import BiasedLinear, GGMLLinear
 from tandem.layers.mlp import GatedMLP
-from tandem.layers.moe import MoE, SoftmaxTopKRouter, TopKSoftmaxRouter
+from tandem.layers.moe import MoE, NormedSoftmaxTopKRouter, SoftmaxTopKRouter, TopKSoftmaxRouter
 from tandem.models.blocks import Block
 from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
 from tandem.models.decoder import DecoderModel
@@ -41,7 +42,7 @@ from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
 __all__ = ["KV_PAD", "QUERY_BLOCK", "CacheCopies", "StepKey", "StepProgram", "attention_kinds", "build_step",
-           "step_key", "unsupported"]
+           "routed_branches", "step_key", "unsupported"]
 
 KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV view (layers/attention.py)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
@@ -69,18 +70,18 @@ def unsupported(model: DecoderModel, pool: StatePool) -> str | None:
 
 
 def _block_unsupported(block: object, pool: object) -> str | None:
-    if type(block) is not Block or block.out_scale is not None or block.ffn_norm is None:
-        return "not a standard pre-norm block"
+    if type(block) is not Block or (block.ffn_norm is None) != isinstance(block.ffn, ParallelFFN):
+        return "not a pre-norm block"
+    if block.mixer_reduce is not None or block.ffn_reduce is not None:
+        return "tensor parallel ranks"
     m = block.mixer
     if type(m) is not Attention or not isinstance(pool, KVPool):
         return f"mixer {type(m).__name__}"
     s = m.shape
-    if m.v is None or m.v_norm or s.softcap is not None:
-        return "attention with shared K/V, value norms or softcap"
-    if not all(_by_ggml(p) for p in (m.q, m.k, m.v, m.o)):
+    if s.softcap is not None:
+        return "attention with softcap"
+    if not all(_by_ggml(p) for p in (m.q, m.k, m.o, m.k if m.v is None else m.v)):
         return "attention projections not read by ggml"
-    if m.rope.spec.freq_factors is not None:
-        return "rope frequency factors"
     if pool.k.dtype not in _CACHE_TYPES or pool.window is not None:
         return f"a {pool.k.dtype} cache"
     if pool.k.shape[0] * (pool.k.shape[1] + KV_PAD) >= 2**31:
@@ -88,19 +89,46 @@ def _block_unsupported(block: object, pool: object) -> str | None:
     if pool.k.dtype is torch.float16 and (s.head_dim % 16 or s.value_dim % 4):
         return f"head size {s.head_dim}/{s.value_dim} with an f16 cache (layers/attention.py emulates its sums)"
     ffn = block.ffn
+    if isinstance(ffn, ParallelFFN):  # Gemma 4: a dense branch and a routed one, each with its own norms
+        dense = ffn.dense
+        if ffn.reduce is not None or not isinstance(dense, NormedFFN) or not isinstance(dense.ffn, GatedMLP):
+            return "a parallel feed-forward whose dense branch is not a normed MLP"
+        return _mlp_unsupported(dense.ffn) or _routed_unsupported(ffn.sparse.router, ffn.sparse.experts)
     if isinstance(ffn, GatedMLP):
-        known = ffn.act in _GLU or ffn.act is _GELU_TANH
-        if not known or not all(isinstance(p, GGMLLinear) for p in (ffn.gate, ffn.up, ffn.down)):
-            return "an MLP ggml does not compute as the layer path does"
-        return None
+        return _mlp_unsupported(ffn)
     if isinstance(ffn, MoE):
-        router, experts = ffn.router, ffn.experts
-        if type(router) not in (SoftmaxTopKRouter, TopKSoftmaxRouter) or not isinstance(router.proj, GGMLLinear):
-            return f"router {type(router).__name__}"
-        if getattr(experts, "_graph", None) is None:
-            return "routed experts not computed by one ggml graph"
-        return None
+        return _routed_unsupported(ffn.router, ffn.experts)
     return f"feed-forward {type(ffn).__name__}"
+
+
+def _mlp_unsupported(mlp: GatedMLP) -> str | None:
+    known = mlp.act in _GLU or mlp.act is _GELU_TANH
+    if not known or not all(isinstance(p, GGMLLinear) for p in (mlp.gate, mlp.up, mlp.down)):
+        return "an MLP ggml does not compute as the layer path does"
+    return None
+
+
+def _routed_unsupported(router: object, experts: object) -> str | None:
+    if type(router) not in _ROUTERS or not isinstance(getattr(router, "proj", None), GGMLLinear):
+        return f"router {type(router).__name__}"
+    if getattr(experts, "_graph", None) is None:
+        return "routed experts not computed by one ggml graph"
+    return None
+
+
+_ROUTERS = (SoftmaxTopKRouter, TopKSoftmaxRouter, NormedSoftmaxTopKRouter)
+
+
+def routed_branches(model: DecoderModel) -> list[MoE | RoutedFFN]:
+    """The model's routed-expert branches (a MoE layer's FFN, or the routed half of a ParallelFFN)."""
+    out: list[MoE | RoutedFFN] = []
+    for block in model.blocks:
+        ffn = block.ffn  # type: ignore[attr-defined]
+        if isinstance(ffn, MoE):
+            out.append(ffn)
+        elif isinstance(ffn, ParallelFFN):
+            out.append(ffn.sparse)
+    return out
 
 
 def _by_ggml(linear: object) -> bool:
@@ -438,18 +466,32 @@ class _StepBuilder:
         if block.post_mixer_norm is not None:
             h = self._norm(h, block.post_mixer_norm, eps)
         x = ggml.ggml_add(ctx, h, x)
-        assert block.ffn_norm is not None
-        h = self._norm(x, block.ffn_norm, eps)
-        if isinstance(block.ffn, GatedMLP):
-            h, x = self._mlp(block.ffn, h, x)
+        ffn = block.ffn
+        if isinstance(ffn, ParallelFFN):  # dense(x) + routed(x), each normed after, as add_normed sums them
+            dense = ffn.dense
+            assert isinstance(dense, NormedFFN) and isinstance(dense.ffn, GatedMLP)
+            h, x = self._mlp(dense.ffn, self._maybe_norm(x, dense.pre_norm, dense.eps), x)  # first: it may cut
+            h = self._maybe_norm(h, dense.post_norm, dense.eps)
+            sparse = ffn.sparse
+            routed = self._moe(sparse, x, self._maybe_norm(x, sparse.expert_norm, sparse.eps))
+            h = ggml.ggml_add(ctx, h, self._maybe_norm(routed, sparse.post_norm, sparse.eps))
         else:
-            h = self._moe(block.ffn, h)
+            assert block.ffn_norm is not None
+            h = self._norm(x, block.ffn_norm, eps)
+            if isinstance(ffn, GatedMLP):
+                h, x = self._mlp(ffn, h, x)
+            else:
+                h = self._moe(ffn, h, h)
         if block.post_ffn_norm is not None:
             h = self._norm(h, block.post_ffn_norm, eps)
-        return ggml.ggml_add(ctx, h, x)
+        x = ggml.ggml_add(ctx, h, x)
+        return x if block.out_scale is None else ggml.ggml_mul(ctx, x, self.b.vector(block.out_scale))
 
     def _norm(self, x: Tensor, weight: torch.Tensor, eps: float) -> Tensor:
         return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps), self.b.vector(weight))
+
+    def _maybe_norm(self, x: Tensor, weight: torch.Tensor | None, eps: float) -> Tensor:
+        return x if weight is None else self._norm(x, weight, eps)
 
     def _linear(self, linear: object, x: Tensor) -> Tensor:
         if isinstance(linear, BiasedLinear):
@@ -474,8 +516,12 @@ class _StepBuilder:
         ctx, s, t = self.ctx, m.shape, self.key.n_tokens
         hd, dv, nh, g = s.head_dim, s.value_dim, s.n_heads, s.n_kv_heads
         q = ggml.ggml_reshape_3d(ctx, self._linear(m.q, h), hd, nh, t)  # [Hd, H, T]
-        k = ggml.ggml_reshape_3d(ctx, self._linear(m.k, h), hd, g, t)  # [Hd, G, T]
-        v = self._linear(m.v, h)  # [G*Dv, T]
+        k_proj = self._linear(m.k, h)  # [G*Hd, T]
+        k = ggml.ggml_reshape_3d(ctx, k_proj, hd, g, t)  # [Hd, G, T]
+        v = k_proj if m.v is None else self._linear(m.v, h)  # [G*Dv, T]; none: the keys' projection (Gemma 4)
+        if m.v_norm:  # per head, without a weight, as llama.cpp's ggml_rms_norm of the values
+            v = ggml.ggml_reshape_2d(ctx, ggml.ggml_rms_norm(ctx, ggml.ggml_reshape_3d(ctx, v, dv, g, t), m.norm_eps),
+                                     g * dv, t)  # fmt: skip
         f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
         scale_queries, kq_scale = query_scaling(s.scale) if f16 else (False, s.scale)
         q_norm = m.q_norm
@@ -567,11 +613,14 @@ class _StepBuilder:
         if norm is not None:
             x = self._norm(x, norm, m.norm_eps)
         spec, y = m.rope.spec, m.rope.spec.yarn
+        factors = None
+        if spec.freq_factors is not None:  # per rotated pair, its frequency divided by it (Gemma 4's global layers)
+            factors = self.b.vector(torch.tensor(spec.freq_factors[: spec.dim // 2], dtype=torch.float32))
         if y is None:
-            return ggml.ggml_rope_ext(ctx, x, self.pos, None, spec.dim, _ROPE_NEOX, self.model.cfg.context_length,
+            return ggml.ggml_rope_ext(ctx, x, self.pos, factors, spec.dim, _ROPE_NEOX, self.model.cfg.context_length,
                                       spec.base, spec.scale, 0.0, 1.0, 32.0, 1.0)  # fmt: skip
-        return ggml.ggml_rope_ext(ctx, x, self.pos, None, spec.dim, _ROPE_NEOX, y.n_ctx_orig, spec.base, spec.scale,
-                                  y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow)  # fmt: skip
+        return ggml.ggml_rope_ext(ctx, x, self.pos, factors, spec.dim, _ROPE_NEOX, y.n_ctx_orig, spec.base,
+                                  spec.scale, y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow)  # fmt: skip
 
     def _store(self, i: int, k: Tensor, v: Tensor, g: int, dv: int) -> None:
         """The step's keys and values into the f16 rows and the float32 copies of their slots, as part of the graph
@@ -636,25 +685,29 @@ class _StepBuilder:
             self.b.cut(lambda: tiled.matmul(into, out))
         return self.b.torch_leaf(out), self.b.torch_leaf(residual)
 
-    def _moe(self, moe: MoE, h: Tensor) -> Tensor:
-        """Softmax top-k routing and the gated experts (`expert_ffn_nodes`, the nodes of the layer path's expert
-        graph), as llama.cpp's build_moe_ffn."""
+    def _moe(self, moe: MoE | RoutedFFN, x: Tensor, h: Tensor) -> Tensor:
+        """The routing of x and the gated experts of h (`expert_ffn_nodes`, the nodes of the layer path's expert
+        graph), as llama.cpp's build_moe_ffn: x and h are the same but in Gemma 4's branch, whose experts read
+        their own norm of x."""
         ctx, t = self.ctx, int(h.contents.ne[1])
         router = moe.router
         a = router.n_active
         if isinstance(router, TopKSoftmaxRouter):  # the top-k logits (+ bias), then a softmax over those
-            logits = self._linear(router.proj, h)  # [E, T]
+            logits = self._linear(router.proj, x)  # [E, T]
             if router.bias is not None:
                 logits = ggml.ggml_add(ctx, logits, self.b.vector(router.bias))
             ids = ggml.ggml_argsort_top_k(ctx, logits, a)  # [A, T] int32
             top = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, logits, 1, int(logits.contents.ne[0]), t), ids)
             weights = ggml.ggml_soft_max(ctx, ggml.ggml_reshape_2d(ctx, top, a, t))  # [A, T]
         else:  # a softmax over every expert, then the top k (renormalised where the model says so)
-            assert isinstance(router, SoftmaxTopKRouter)
-            probs = ggml.ggml_soft_max(ctx, self._linear(router.proj, h))  # [E, T]
+            if isinstance(router, NormedSoftmaxTopKRouter):  # Gemma 4: the logits of rms_norm(x) * input_scale
+                x = self._norm(x, router.input_scale, router.eps)
+            else:
+                assert isinstance(router, SoftmaxTopKRouter)
+            probs = ggml.ggml_soft_max(ctx, self._linear(router.proj, x))  # [E, T]
             ids = ggml.ggml_argsort_top_k(ctx, probs, a)  # [A, T] int32
             weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, int(probs.contents.ne[0]), t), ids)
-            if router.renormalize:  # [1, A, T] / the sum over A
+            if isinstance(router, NormedSoftmaxTopKRouter) or router.renormalize:  # [1, A, T] / the sum over A
                 flat = ggml.ggml_reshape_2d(ctx, weights, a, t)
                 weights = ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat))
         mix = ggml.ggml_reshape_3d(ctx, weights, a, 1, t)
