@@ -119,6 +119,16 @@ def _routed_unsupported(router: object, experts: object) -> str | None:
 _ROUTERS = (SoftmaxTopKRouter, TopKSoftmaxRouter, NormedSoftmaxTopKRouter)
 
 
+def _cuts(block: object) -> bool:
+    """Whether a prompt's step may end a graph in this block: before its MLP's `down` product, which the host
+    computes where llama.cpp multiplies it by its tiled kernel (`_StepBuilder._mlp`)."""
+    ffn = getattr(block, "ffn", None)
+    if isinstance(ffn, ParallelFFN) and isinstance(ffn.dense, NormedFFN):
+        ffn = ffn.dense.ffn
+    down = getattr(ffn, "down", None) if isinstance(ffn, GatedMLP) else None
+    return isinstance(down, GGMLLinear) and down.weight.tiled is not None
+
+
 def routed_branches(model: DecoderModel) -> list[MoE | RoutedFFN]:
     """The model's routed-expert branches (a MoE layer's FFN, or the routed half of a ParallelFFN)."""
     out: list[MoE | RoutedFFN] = []
@@ -406,7 +416,7 @@ class _StepBuilder:
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
         n_layers, n_seqs = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
-        n_cuts = n_layers if key.n_tokens >= TILED_MIN_ROWS else 0
+        n_cuts = sum(_cuts(block) for block in model.blocks) if key.n_tokens >= TILED_MIN_ROWS else 0
         self.b = GraphBuilder(n_tensors=512 + n_layers * (112 + 40 * n_seqs), n_segments=n_cuts + 1)
         self.ctx = self.b.ctx
         t = key.n_tokens

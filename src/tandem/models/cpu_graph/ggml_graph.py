@@ -34,7 +34,6 @@ _NP_TYPES = {np.dtype(np.float32): ggml.GGML_TYPE_F32, np.dtype(np.int32): ggml.
              np.dtype(np.int64): ggml.GGML_TYPE_I64, np.dtype(np.float16): ggml.GGML_TYPE_F16}  # fmt: skip
 _TORCH_TYPES = {torch.float32: ggml.GGML_TYPE_F32, torch.float16: ggml.GGML_TYPE_F16,
                 torch.bfloat16: ggml.GGML_TYPE_BF16, torch.int32: ggml.GGML_TYPE_I32}  # fmt: skip
-GRAPH_SIZE = 8192  # nodes (and leafs) one segment's graph may hold
 
 
 @dataclass(eq=False)
@@ -112,8 +111,11 @@ class GraphBuilder:
     with `ctx`), segments cut where host work must run. `finish` returns the program."""
 
     def __init__(self, n_tensors: int, n_segments: int = 1) -> None:
+        # A segment's graph holds at most every tensor of the context, as nodes or as leafs: sized by the program
+        # (a fixed size was outgrown by a 48-layer model's prompt of 1024 rows, and ggml aborts the process then)
+        self._graph_size = n_tensors
         mem = ggml.ggml_tensor_overhead() * n_tensors
-        mem += (n_segments + 1) * ggml.ggml_graph_overhead_custom(GRAPH_SIZE, False) + (1 << 16)
+        mem += (n_segments + 1) * ggml.ggml_graph_overhead_custom(n_tensors, False) + (1 << 16)
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
@@ -195,7 +197,7 @@ class GraphBuilder:
         return program
 
     def _new_graph(self) -> ggml.ggml_cgraph_p:
-        graph = ggml.ggml_new_graph_custom(self.ctx, GRAPH_SIZE, False)
+        graph = ggml.ggml_new_graph_custom(self.ctx, self._graph_size, False)
         if not graph:
             raise MemoryError("ggml_new_graph_custom failed")
         return graph
