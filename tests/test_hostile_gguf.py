@@ -156,3 +156,22 @@ def test_cli_keeps_any_message_on_one_line(monkeypatch: pytest.MonkeyPatch, caps
     assert main(["inspect"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "\\x1b" in err and len(err) < 1100
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_gpt_oss_gguf", "tiny_gemma4_gguf"])
+def test_a_missing_tensor_is_refused_by_inspect_as_by_run(
+    fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+) -> None:
+    """A file without a tensor its architecture needs: `inspect` gives `run`'s one-line error, not a plan (the
+    layers are built on the weights where they lie; nothing is loaded)."""
+    from tandem.fuzz.gguf_edit import GGUFParts
+
+    parts = GGUFParts.read(Path(request.getfixturevalue(fixture)[1]))
+    parts.tensors = [t for t in parts.tensors if t.name != "blk.0.attn_q.weight"]
+    path = parts.write(tmp_path / "missing.gguf")
+    capsys.readouterr()  # the fixture's conversion output
+    for command in (["inspect"], ["run", "-p", "hi", "-n", "1", "--device", "cpu"]):
+        assert main([*command, "-m", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert "required tensor 'blk.0.attn_q.weight' is missing" in err, err

@@ -100,6 +100,15 @@ def _check_kv_memory(cfg: ModelConfig, shape: RuntimeShape) -> None:
         )
 
 
+def check_model_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """Build the model's layers as `run` builds them on the CPU, every weight left in the file's memory map (nothing
+    copied, repacked or uploaded): raises the one-line error `run` gives for a tensor the architecture needs and the
+    file lacks, without loading the model (`tandem inspect`)."""
+    plan = plan_placement(f, cfg, PlacementRequest.from_flags(device="cpu"), RuntimeShape(n_ctx=1, n_batch=1))
+    loader = WeightLoader(f, plan, CPUKernels(1), torch.float32, in_place=True)
+    DecoderModel(cfg, loader, architecture(f).build_block)
+
+
 class LLM:
     """A loaded model and its engine: a state pool of `n_parallel` sequences (KV cache and recurrent state) of up
     to n_ctx tokens each, advanced together (`llm.engine`; `generate` and `chat` are a batch of one)."""

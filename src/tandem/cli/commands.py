@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tandem.api import LLM, default_model_path
+from tandem.api import LLM, check_model_tensors, default_model_path
 from tandem.errors import TandemError
 from tandem.gguf import open_gguf
 from tandem.models import read_config
@@ -231,7 +231,9 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """A dry run: metadata, quant mix and the placement plan, without reading weights or a GPU."""
+    """A dry run: metadata, quant mix and the placement plan, without loading weights or touching a GPU; the
+    layers are built on the weights where they lie in the file, so that a tensor the architecture needs and the file
+    lacks is the error `run` would give."""
     check_flags(args)
     f = open_gguf(args.model or default_model_path())
     cfg = read_config(f)
@@ -249,6 +251,7 @@ def inspect(args: argparse.Namespace) -> int:
     if request.tp > 1:  # each rank's slices and plan (docs/TENSOR_PARALLEL.md)
         check_tp_flags(request, args.pcie_experts)
         tp = plan_tensor_parallel(f, cfg, request, shape).to_dict()
+    check_model_tensors(f, cfg)
     mix: Counter[str] = Counter()
     mix_bytes: Counter[str] = Counter()
     for t in f.tensors.values():

@@ -98,8 +98,12 @@ class WeightLoader:
         repack_experts: bool | None = None,
         pcie_experts: int = 0,
         routing_counts: RoutingCounts | None = None,
+        in_place: bool = False,
     ) -> None:
         self.file = f
+        # every weight left in the file's memory map, nothing copied or repacked: for checking a file's tensors
+        # (`tandem inspect`), not for computing with them
+        self.in_place = in_place
         self.plan = plan
         self.kernels = kernels
         self.compute_device = torch.device(plan.compute_device)
@@ -123,7 +127,7 @@ class WeightLoader:
         # the whole model on the CPU: by default, and what llama.cpp's CPU backend repacks (MXFP4 too); beside a GPU
         # with --repack-experts only, Q4_K only
         cpu_only = self.compute_device.type == "cpu"
-        enabled = cpu_only if repack_experts is None else repack_experts
+        enabled = not in_place and (cpu_only if repack_experts is None else repack_experts)
         self._repacks = ExpertRepacks(cpu_stacks, enabled, kernels.n_threads, cpu_only)
         self.host_boundaries: list[HostCall] = []  # the host ops of a GPU step
         self.pcie_experts = pcie_experts  # of each token's CPU experts in decode, read by the GPU (--pcie-experts)
@@ -261,7 +265,7 @@ class WeightLoader:
         if device.type == "cpu":
             self._record(info, info.data)
             weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
-            if self.compute_device.type == "cpu":  # llama.cpp's CPU backend: repacked / tiled products
+            if self.compute_device.type == "cpu" and not self.in_place:  # llama.cpp's CPU backend: repacked / tiled
                 prepared = prepare_cpu_weight(weight)
                 if prepared.repacked is not None and prepared.repacked.kind == "AMX":
                     self._amx_bytes += prepared.repacked.nbytes
