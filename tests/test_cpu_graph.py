@@ -21,7 +21,7 @@ import tandem
 from tandem.api import default_model_path
 from tandem.layers.moe import MoE
 from tandem.models.cpu_graph import StepGraph
-from tandem.models.cpu_graph.decoder import unsupported
+from tandem.models.cpu_graph.coverage import unsupported
 from tandem.runtime.sampling import Sampler, SamplingParams
 from tandem.synth.writer import synthesize
 
@@ -129,7 +129,7 @@ def test_decoding_sequences_attend_as_one_group(model: str, lengths: tuple[int, 
     """The decoding sequences of a step attend together (`DecodeGroup`: one product over the slots side by side)
     with the logits of each one's own attention, bit for bit: one past the sliding window, a slot of the range
     prefilling beside them, then all four decoding."""
-    from tandem.models.cpu_graph import decoder
+    from tandem.models.cpu_graph import decoder, step
 
     path = default_model_path() if model == "bundled" else Path(request.getfixturevalue(model)[1])
     chunk = 160
@@ -149,17 +149,19 @@ def test_decoding_sequences_attend_as_one_group(model: str, lengths: tuple[int, 
 
         groups = []
 
-        def counted(key: decoder.StepKey) -> decoder.DecodeGroup | None:
+        def counted(key: step.StepKey) -> step.DecodeGroup | None:
             group = decode_group(key)
             groups.append(group)
             return group
 
-        decode_group = decoder.decode_group
-        monkeypatch.setattr(decoder, "decode_group", counted)
+        decode_group = step.decode_group
+        for module in (step, decoder):  # the step's key and its program read it
+            monkeypatch.setattr(module, "decode_group", counted)
         grouped = run(_graphs(llm))
         used = [(len(g.members), g.n_slots) for g in groups if g is not None]
         assert (3, 4) in used and (4, 4) in used, used
-        monkeypatch.setattr(decoder, "decode_group", lambda key: None)
+        for module in (step, decoder):
+            monkeypatch.setattr(module, "decode_group", lambda key: None)
         alone = run(_graphs(llm))
     for a, b in zip(grouped, alone, strict=True):
         assert np.array_equal(a, b), f"max |diff| {np.abs(a - b).max()}"
@@ -167,7 +169,7 @@ def test_decoding_sequences_attend_as_one_group(model: str, lengths: tuple[int, 
 
 def test_one_long_context_keeps_its_own_attention() -> None:
     """A group whose slot range and key span would compute far more keys than its members read is not made."""
-    from tandem.models.cpu_graph.decoder import decode_group, step_key
+    from tandem.models.cpu_graph.step import decode_group, step_key
 
     windows = [None]
     short = step_key([(0, 40, [1]), (1, 50, [1])], windows)
@@ -181,7 +183,7 @@ def test_one_long_context_keeps_its_own_attention() -> None:
 def test_a_group_keeps_its_program_while_its_members_move() -> None:
     """A decode group's step shape is its span, not its members' own views: the steps of sequences that move inside
     the same keys share one program, a member crossing the span's end makes another."""
-    from tandem.models.cpu_graph.decoder import step_key
+    from tandem.models.cpu_graph.step import step_key
 
     windows = [None, 16]
     key = step_key([(0, 70, [1]), (1, 100, [1]), (2, 20, [1])], windows)
@@ -251,12 +253,12 @@ def test_a_long_prompt_step_builds_past_a_fixed_graph_size(tiny_qwen3moe_gguf: t
     """A prompt step's graph grows with its blocks of query rows: a 48-layer Qwen3-30B-A3B at -b 1024 needed ~13,000
     nodes, past the 8,192 that every segment's graph held before (ggml aborts the process there). Built, not run: the
     tiny model with a prompt of 20,000 rows needs as many."""
-    from tandem.models.cpu_graph import decoder
+    from tandem.models.cpu_graph import decoder, step
     from tandem.models.cpu_graph.ggml_graph import Segment
 
     with tandem.LLM(Path(tiny_qwen3moe_gguf[1]), device="cpu", n_ctx=20_480, threads=2, n_batch=20_000) as llm:
         graph = _graphs(llm)
-        key = decoder.step_key([(0, 0, [5] * 20_000)], decoder.layer_windows(llm.model))
+        key = step.step_key([(0, 0, [5] * 20_000)], step.layer_windows(llm.model))
         program = decoder.build_step(llm.model, graph.caches, key, graph.experts)
         nodes = [ggml.ggml_graph_n_nodes(s.graph) for s in program.program.stages if isinstance(s, Segment)]
     assert max(nodes) > 8192, nodes

@@ -2,7 +2,7 @@
 graph, or a few, instead of layer by layer through torch and small ggml calls (models/decoder.py).
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
-the graphs do not cover the model (`decoder.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
+the graphs do not cover the model (`coverage.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
 "1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3, qwen3moe,
 gpt-oss and gemma4; qwen3, covered too, keeps the layer path unless switched on). The graphs multiply a MoE model's
 expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by
@@ -17,18 +17,10 @@ from collections import OrderedDict
 
 import torch
 
-from tandem.models.cpu_graph.decoder import (
-    CacheCopies,
-    Pieces,
-    StepKey,
-    StepProgram,
-    attention_kinds,
-    build_step,
-    routed_branches,
-    step_key,
-    unsupported,
-)
+from tandem.models.cpu_graph.coverage import routed_branches, unsupported
+from tandem.models.cpu_graph.decoder import StepProgram, build_step
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
+from tandem.models.cpu_graph.step import CacheCopies, Pieces, StepKey, attention_kinds, step_key
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
 from tandem.state.pool import StatePool

@@ -19,104 +19,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import ggml
 import numpy as np
 import torch
 
-from tandem.layers.activations import ACTIVATIONS
 from tandem.layers.attention import Attention, query_scaling
 from tandem.layers.ffn import NormedFFN, ParallelFFN, RoutedFFN
 from tandem.layers.linear import BiasedLinear, GGMLLinear
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MoE, NormedSoftmaxTopKRouter, SoftmaxTopKRouter, TopKSoftmaxRouter
 from tandem.models.blocks import Block
+from tandem.models.cpu_graph.coverage import CACHE_TYPES, GELU_TANH, GLU_OPS
 from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
+from tandem.models.cpu_graph.step import (
+    CacheCopies,
+    DecodeGroup,
+    GroupInputs,
+    StepInputs,
+    StepKey,
+    attention_kinds,
+    decode_group,
+    layer_windows,
+)
 from tandem.models.decoder import DecoderModel
 from tandem.quant.ggml_cpu import ExpertFFN, expert_ffn_nodes
 from tandem.quant.ggml_tiled import Q8_K_BYTES, TILED_MIN_ROWS
 from tandem.quant.ggml_weights import GGMLWeight
-from tandem.state.kv_cache import KVPool
-from tandem.state.pool import StatePool
 
-__all__ = ["KV_PAD", "QUERY_BLOCK", "CacheCopies", "StepKey", "StepProgram", "attention_kinds", "build_step",
-           "routed_branches", "step_key", "unsupported"]
+__all__ = ["StepProgram", "build_step"]
 
-KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV view (layers/attention.py)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
-# ggml's gated units for the MLP's activation (layers/activations.py: the values of the layer path's)
-_GLU = {ACTIVATIONS["gelu_tanh_ggml"]: ggml.ggml_geglu_split, ACTIVATIONS["silu"]: ggml.ggml_swiglu_split}
-# The cache types the graphs store into (the values rounded to them once, as the layer path stores them)
-_CACHE_TYPES = {torch.float16: ggml.GGML_TYPE_F16, torch.bfloat16: ggml.GGML_TYPE_BF16,
-                torch.float32: ggml.GGML_TYPE_F32}  # fmt: skip
-_GELU_TANH = ACTIVATIONS["gelu_tanh"]  # the formula (float files): composed from ggml's ops
-
-
-def unsupported(model: DecoderModel, pool: StatePool) -> str | None:
-    """Why this model's CPU step cannot run as these graphs (None: it can)."""
-    if model.device.type != "cpu":
-        return "the model does not compute on the CPU"
-    if model.embed.kernels is None or not isinstance(model.output, GGMLLinear):
-        return "the embedding table or output head is not read by ggml"
-    if getattr(model, "reduce", None) is not None:
-        return "tensor parallel ranks"
-    for i, (block, layer_pool) in enumerate(zip(model.blocks, pool.layers, strict=True)):
-        reason = _block_unsupported(block, layer_pool)
-        if reason is not None:
-            return f"layer {i}: {reason}"
-    return None
-
-
-def _block_unsupported(block: object, pool: object) -> str | None:
-    if type(block) is not Block or (block.ffn_norm is None) != isinstance(block.ffn, ParallelFFN):
-        return "not a pre-norm block"
-    if block.mixer_reduce is not None or block.ffn_reduce is not None:
-        return "tensor parallel ranks"
-    m = block.mixer
-    if type(m) is not Attention or not isinstance(pool, KVPool):
-        return f"mixer {type(m).__name__}"
-    s = m.shape
-    if s.softcap is not None:
-        return "attention with softcap"
-    if not all(_by_ggml(p) for p in (m.q, m.k, m.o, m.k if m.v is None else m.v)):
-        return "attention projections not read by ggml"
-    if pool.k.dtype not in _CACHE_TYPES or pool.window is not None:
-        return f"a {pool.k.dtype} cache"
-    if pool.k.shape[0] * (pool.k.shape[1] + KV_PAD) >= 2**31:
-        return "more cache rows than int32 row numbers reach"
-    if pool.k.dtype is torch.float16 and (s.head_dim % 16 or s.value_dim % 4):
-        return f"head size {s.head_dim}/{s.value_dim} with an f16 cache (layers/attention.py emulates its sums)"
-    ffn = block.ffn
-    if isinstance(ffn, ParallelFFN):  # Gemma 4: a dense branch and a routed one, each with its own norms
-        dense = ffn.dense
-        if ffn.reduce is not None or not isinstance(dense, NormedFFN) or not isinstance(dense.ffn, GatedMLP):
-            return "a parallel feed-forward whose dense branch is not a normed MLP"
-        return _mlp_unsupported(dense.ffn) or _routed_unsupported(ffn.sparse.router, ffn.sparse.experts)
-    if isinstance(ffn, GatedMLP):
-        return _mlp_unsupported(ffn)
-    if isinstance(ffn, MoE):
-        return _routed_unsupported(ffn.router, ffn.experts)
-    return f"feed-forward {type(ffn).__name__}"
-
-
-def _mlp_unsupported(mlp: GatedMLP) -> str | None:
-    known = mlp.act in _GLU or mlp.act is _GELU_TANH
-    if not known or not all(isinstance(p, GGMLLinear) for p in (mlp.gate, mlp.up, mlp.down)):
-        return "an MLP ggml does not compute as the layer path does"
-    return None
-
-
-def _routed_unsupported(router: object, experts: object) -> str | None:
-    if type(router) not in _ROUTERS or not isinstance(getattr(router, "proj", None), GGMLLinear):
-        return f"router {type(router).__name__}"
-    if getattr(experts, "_graph", None) is None:
-        return "routed experts not computed by one ggml graph"
-    return None
-
-
-_ROUTERS = (SoftmaxTopKRouter, TopKSoftmaxRouter, NormedSoftmaxTopKRouter)
 
 
 def _cuts(block: object) -> bool:
@@ -127,256 +61,6 @@ def _cuts(block: object) -> bool:
         ffn = ffn.dense.ffn
     down = getattr(ffn, "down", None) if isinstance(ffn, GatedMLP) else None
     return isinstance(down, GGMLLinear) and down.weight.tiled is not None
-
-
-def routed_branches(model: DecoderModel) -> list[MoE | RoutedFFN]:
-    """The model's routed-expert branches (a MoE layer's FFN, or the routed half of a ParallelFFN)."""
-    out: list[MoE | RoutedFFN] = []
-    for block in model.blocks:
-        ffn = block.ffn  # type: ignore[attr-defined]
-        if isinstance(ffn, MoE):
-            out.append(ffn)
-        elif isinstance(ffn, ParallelFFN):
-            out.append(ffn.sparse)
-    return out
-
-
-def _by_ggml(linear: object) -> bool:
-    """A projection ggml multiplies (with a bias vector added after it, as llama.cpp adds it)."""
-    return isinstance(linear.inner if isinstance(linear, BiasedLinear) else linear, GGMLLinear)
-
-
-# -- the cache as the graph sees it -------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class CacheCopies:
-    """One attention layer's cache for the graphs: the pool's f16 rows [N, R, G, Hd] (what the layer path reads)
-    and float32 copies of every slot, keys [N, C, G, Hd] and values transposed [N, G, Dv, C] (C: the context
-    rounded up to KV_PAD), which the graphs write beside the f16 rows and read. The copies are each slot's
-    `LayerKV.float32_rows` too, so the layer path and the graphs can take turns."""
-
-    pool: KVPool
-    k32: torch.Tensor
-    vt32: torch.Tensor
-
-    @classmethod
-    def of(cls, pool: KVPool) -> CacheCopies:
-        n, rows, g, d = pool.k.shape
-        dv = pool.v.shape[-1]
-        c = -(-rows // KV_PAD) * KV_PAD
-        # np.zeros: untouched pages stay unallocated (masked keys must be finite, and zero pages are)
-        k32 = torch.from_numpy(np.zeros((n, c, g, d), dtype=np.float32))
-        vt32 = torch.from_numpy(np.zeros((n, g, dv, c), dtype=np.float32))
-        for i, kv in enumerate(pool.slots):
-            kv.share_float32(k32[i], vt32[i])
-        return cls(pool, k32, vt32)
-
-    @property
-    def rows(self) -> int:  # f16 rows per slot
-        return int(self.pool.k.shape[1])
-
-    @property
-    def rows32(self) -> int:  # float32 rows per slot
-        return int(self.k32.shape[1])
-
-
-# -- the step's shape ---------------------------------------------------------------------------------------------
-
-
-class QueryBlock(NamedTuple):
-    """Rows [offset, offset + n) of the step, all of one sequence, that attend together: per attention kind the
-    first key position and the key count they read (multiples of KV_PAD; the keys before and after, which none of
-    them sees, are left out, which changes no sum: their probabilities are 0)."""
-
-    offset: int
-    n: int
-    views: tuple[tuple[int, int], ...]
-
-
-class SeqKey(NamedTuple):
-    """A sequence's part of a step, as far as it shapes the graph: its slot, rows, first row, and its rows' query
-    blocks."""
-
-    slot: int
-    n: int
-    offset: int
-    blocks: tuple[QueryBlock, ...]
-
-
-class StepKey(NamedTuple):
-    """A step's shape (tuples: hashed and compared at C speed, per step)."""
-
-    seqs: tuple[SeqKey, ...]
-    n_logits: int | None  # rows whose logits the step returns (None: every row)
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(s.n for s in self.seqs)
-
-
-QUERY_BLOCK = 64  # rows of a sequence that attend together: in long prompts, fewer keys each block does not see
-
-Pieces = Sequence[tuple[int, int, Sequence[int]]]  # per sequence: slot, position of its first token, its tokens
-
-
-def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False) -> StepKey:
-    """The shape of the step of `pieces`: logits of every row (decoding, or `all_logits`) or of each piece's last."""
-    seqs, offset = [], 0
-    for slot, position, tokens in pieces:
-        n_seq = len(tokens)
-        blocks = []
-        for r0 in range(0, n_seq, QUERY_BLOCK):
-            n = min(QUERY_BLOCK, n_seq - r0)
-            if 0 < n_seq - r0 - n < 2:  # no block of one row: one row's products sum otherwise (attention.py)
-                n = n_seq - r0
-            start = position + r0
-            padded_end = -(-(start + n) // KV_PAD) * KV_PAD
-            views = tuple(
-                (first, padded_end - first)
-                for first in (0 if w is None else max(0, (start - w + 1) // KV_PAD * KV_PAD) for w in windows)
-            )
-            blocks.append(QueryBlock(offset + r0, n, views))
-            if r0 + n == n_seq:
-                break
-        seqs.append(SeqKey(slot, n_seq, offset, tuple(blocks)))
-        offset += n_seq
-    every_row = all_logits or all(s.n == 1 for s in seqs)
-    key = StepKey(tuple(seqs), None if every_row else len(seqs))
-    group = decode_group(key)
-    if group is None:
-        return key
-    # Once they attend as a group, the members' own views no longer shape the graph (their masks say which keys each
-    # sees): one program serves every step whose group spans the same keys, wherever each member is in it.
-    return key._replace(seqs=tuple(
-        s._replace(blocks=(s.blocks[0]._replace(views=group.views),)) if j in group.members else s
-        for j, s in enumerate(key.seqs)
-    ))  # fmt: skip
-
-
-class DecodeGroup(NamedTuple):
-    """The step's decoding sequences (one row each) attending as one batch: slots lo .. lo + n_slots - 1 side by
-    side (the cache's slot stride), per attention kind the key range (first, count) that covers each member's view.
-    A slot of the range without a member computes a row nobody reads; a member's keys outside its own view are
-    masked, which changes no sum (multiples of KV_PAD, probabilities 0), so each member's values are those of its
-    own block."""
-
-    members: tuple[int, ...]  # indices into the step's sequences
-    lo: int
-    n_slots: int
-    views: tuple[tuple[int, int], ...]
-
-
-def decode_group(key: StepKey) -> DecodeGroup | None:
-    """The decoding sequences of the step as one group, or None: fewer than two, or a group whose slot range and
-    key span would compute more than twice the keys its members read (one long context among short ones)."""
-    members = tuple(j for j, s in enumerate(key.seqs) if s.n == 1)
-    if len(members) < 2:
-        return None
-    slots = [key.seqs[j].slot for j in members]
-    lo, n_slots = min(slots), max(slots) - min(slots) + 1
-    views = []
-    for k in range(len(key.seqs[members[0]].blocks[0].views)):
-        spans = [key.seqs[j].blocks[0].views[k] for j in members]
-        first = min(f for f, _ in spans)
-        views.append((first, max(f + n for f, n in spans) - first))
-    read = sum(n for j in members for _, n in key.seqs[j].blocks[0].views)
-    if n_slots * sum(n for _, n in views) > 2 * read:
-        return None
-    return DecodeGroup(members, lo, n_slots, tuple(views))
-
-
-@dataclass(eq=False)
-class StepInputs:
-    """The host buffers a step program's leaves read, filled per call (`fill`)."""
-
-    ids: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32
-    rows16: np.ndarray  # [T] int32: each row's row in the f16 pool (slot * R + position)
-    rows32: np.ndarray  # [T] int32: in the float32 copies (slot * C + position)
-    vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
-    masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf (none: the group's)
-    logit_rows: np.ndarray | None  # [B] int32
-    group: GroupInputs | None
-    _lanes: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
-
-    def fill(self, pieces: Pieces, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
-        n_blocks = 0
-        for (slot, start, tokens), seq in zip(pieces, key.seqs, strict=True):
-            o, n = seq.offset, seq.n
-            if n == 1:  # decoding: no arrays made
-                self.ids[o], self.positions[o] = tokens[0], start
-                self.rows16[o], self.rows32[o] = slot * rows + start, slot * rows32 + start
-            else:
-                self.ids[o : o + n] = tokens
-                self.positions[o : o + n] = np.arange(start, start + n)
-                self.rows16[o : o + n] = self.positions[o : o + n] + slot * rows  # below 2^31 (`unsupported`)
-                self.rows32[o : o + n] = self.positions[o : o + n] + slot * rows32
-            for block in seq.blocks:
-                if self.masks[n_blocks]:
-                    self._mask(block, start + block.offset - o, windows, self.masks[n_blocks])
-                n_blocks += 1
-        if self.group is not None:
-            self.group.fill([pieces[j][1] for j in self.group.shape.members], windows)
-        slots = (self.rows32 // rows32).astype(np.int64)
-        for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
-            lanes = self._lanes.get((g * dv, rows32))
-            if lanes is None:
-                lanes = self._lanes[(g * dv, rows32)] = np.arange(g * dv, dtype=np.int64) * rows32  # (g*Dv + d) * C
-            base = slots * (g * dv * rows32) + self.positions  # slot * G * Dv * C + position
-            np.add(base[:, None], lanes[None, :], out=index.reshape(len(self.ids), g * dv))
-        if self.logit_rows is not None:
-            self.logit_rows[:] = [seq.offset + seq.n - 1 for seq in key.seqs]
-
-    @staticmethod
-    def _mask(block: QueryBlock, start: int, windows: Sequence[int | None], masks: list[np.ndarray]) -> None:
-        """0 where a row of `block` (at positions start ..) sees a key of its views, -inf elsewhere."""
-        for (first, n_keys), window, mask in zip(block.views, windows, masks, strict=True):
-            mask.fill(-np.inf)
-            if block.n == 1:  # one row (decoding): the keys it sees are one run
-                mask[0, (0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
-                continue
-            q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
-            distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
-            allowed = distance >= 0
-            if window is not None:
-                allowed &= distance < window
-            mask[allowed] = 0.0
-
-
-@dataclass(eq=False)
-class GroupInputs:
-    """The host buffers of a DecodeGroup: the step row each slot of its range takes its query from, the row of the
-    group's output each member takes back and the member's row of the step (both fixed by the step's shape), and
-    per kind the mask [n_slots, 1, 1, S], filled per call."""
-
-    shape: DecodeGroup
-    query_rows: np.ndarray  # [n_slots] int32
-    output_rows: np.ndarray  # [members] int32
-    step_rows: np.ndarray  # [members] int32
-    masks: list[np.ndarray]  # per kind [n_slots, 1, 1, S] float32, 0 or -inf
-
-    @classmethod
-    def of(cls, group: DecodeGroup, key: StepKey) -> GroupInputs:
-        query_rows = np.zeros(group.n_slots, dtype=np.int32)
-        output_rows = np.zeros(len(group.members), dtype=np.int32)
-        step_rows = np.zeros(len(group.members), dtype=np.int32)
-        for i, j in enumerate(group.members):
-            seq = key.seqs[j]
-            output_rows[i] = seq.slot - group.lo
-            query_rows[seq.slot - group.lo] = step_rows[i] = seq.offset
-        masks = [np.full((group.n_slots, 1, 1, n_keys), -np.inf, dtype=np.float32) for _, n_keys in group.views]
-        for mask in masks:  # a slot of the range without a member: one key, so that its row stays finite
-            mask[:, 0, 0, 0] = 0.0
-        return cls(group, query_rows, output_rows, step_rows, masks)
-
-    def fill(self, starts: Sequence[int], windows: Sequence[int | None]) -> None:
-        """Each member's row of the masks: the keys up to its position (in its window)."""
-        for row, start in zip(self.output_rows, starts, strict=True):
-            for (first, _), window, mask in zip(self.shape.views, windows, self.masks, strict=True):
-                keys = mask[row, 0, 0]
-                keys.fill(-np.inf)
-                keys[(0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
 
 
 @dataclass(eq=False)
@@ -516,7 +200,7 @@ class _StepBuilder:
         b, f32 = self.b, ggml.GGML_TYPE_F32
         n, r, g, d = c.pool.k.shape
         dv = c.pool.v.shape[-1]
-        gtype = _CACHE_TYPES[c.pool.k.dtype]
+        gtype = CACHE_TYPES[c.pool.k.dtype]
         return (b.leaf(gtype, (g * d, n * r), c.pool.k.data_ptr(), c.pool.k),
                 b.leaf(gtype, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
                 b.leaf(f32, (g * d, n * c.rows32), c.k32.data_ptr(), c.k32),
@@ -669,10 +353,10 @@ class _StepBuilder:
         (quant/ggml_tiled.py) and the next graph starts from its result and x."""
         ctx = self.ctx
         gate, up = self._linear(mlp.gate, h), self._linear(mlp.up, h)
-        if mlp.act is _GELU_TANH:
+        if mlp.act is GELU_TANH:
             hidden = ggml.ggml_mul(ctx, _gelu_tanh(ctx, gate), up)  # [F, T]
         else:
-            hidden = _GLU[mlp.act](ctx, gate, up)
+            hidden = GLU_OPS[mlp.act](ctx, gate, up)
         down = mlp.down
         assert isinstance(down, GGMLLinear)
         rows = int(hidden.contents.ne[1])
@@ -742,14 +426,3 @@ def _flat(ctx: int, x: Tensor, t: int) -> Tensor:
     """x [a, b, T] (contiguous) as [a*b, T]."""
     ne = x.contents.ne
     return ggml.ggml_reshape_2d(ctx, x, int(ne[0]) * int(ne[1]), t)
-
-
-def layer_windows(model: DecoderModel) -> list[int | None]:
-    """Each layer's sliding window (None: full attention)."""
-    return [block.mixer.shape.sliding_window for block in model.blocks]  # type: ignore[attr-defined]
-
-
-def attention_kinds(model: DecoderModel) -> list[int | None]:
-    """The distinct windows of the model's layers (None, full attention, first): each is a kind of attention whose
-    keys and mask a sequence shares between the layers of that kind."""
-    return sorted(set(layer_windows(model)), key=lambda w: -1 if w is None else w)

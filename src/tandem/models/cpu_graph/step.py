@@ -1,0 +1,265 @@
+"""What shapes a CPU step's graph and what its leaves read: each attention layer's cache as the graphs see it
+(`CacheCopies`), the step's key (its sequences' rows in query blocks, the keys each block reads, the decoding
+sequences that attend as one group) and the host buffers a step program's leaves read, filled per call
+(`StepInputs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tandem.models.decoder import DecoderModel
+from tandem.state.kv_cache import KVPool
+
+__all__ = ["KV_PAD", "QUERY_BLOCK", "CacheCopies", "DecodeGroup", "GroupInputs", "Pieces", "QueryBlock", "StepInputs",
+           "StepKey", "attention_kinds", "decode_group", "layer_windows", "step_key"]
+
+KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV view (layers/attention.py)
+
+
+# -- the cache as the graph sees it -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class CacheCopies:
+    """One attention layer's cache for the graphs: the pool's f16 rows [N, R, G, Hd] (what the layer path reads)
+    and float32 copies of every slot, keys [N, C, G, Hd] and values transposed [N, G, Dv, C] (C: the context
+    rounded up to KV_PAD), which the graphs write beside the f16 rows and read. The copies are each slot's
+    `LayerKV.float32_rows` too, so the layer path and the graphs can take turns."""
+
+    pool: KVPool
+    k32: torch.Tensor
+    vt32: torch.Tensor
+
+    @classmethod
+    def of(cls, pool: KVPool) -> CacheCopies:
+        n, rows, g, d = pool.k.shape
+        dv = pool.v.shape[-1]
+        c = -(-rows // KV_PAD) * KV_PAD
+        # np.zeros: untouched pages stay unallocated (masked keys must be finite, and zero pages are)
+        k32 = torch.from_numpy(np.zeros((n, c, g, d), dtype=np.float32))
+        vt32 = torch.from_numpy(np.zeros((n, g, dv, c), dtype=np.float32))
+        for i, kv in enumerate(pool.slots):
+            kv.share_float32(k32[i], vt32[i])
+        return cls(pool, k32, vt32)
+
+    @property
+    def rows(self) -> int:  # f16 rows per slot
+        return int(self.pool.k.shape[1])
+
+    @property
+    def rows32(self) -> int:  # float32 rows per slot
+        return int(self.k32.shape[1])
+
+
+# -- the step's shape ---------------------------------------------------------------------------------------------
+
+
+class QueryBlock(NamedTuple):
+    """Rows [offset, offset + n) of the step, all of one sequence, that attend together: per attention kind the
+    first key position and the key count they read (multiples of KV_PAD; the keys before and after, which none of
+    them sees, are left out, which changes no sum: their probabilities are 0)."""
+
+    offset: int
+    n: int
+    views: tuple[tuple[int, int], ...]
+
+
+class SeqKey(NamedTuple):
+    """A sequence's part of a step, as far as it shapes the graph: its slot, rows, first row, and its rows' query
+    blocks."""
+
+    slot: int
+    n: int
+    offset: int
+    blocks: tuple[QueryBlock, ...]
+
+
+class StepKey(NamedTuple):
+    """A step's shape (tuples: hashed and compared at C speed, per step)."""
+
+    seqs: tuple[SeqKey, ...]
+    n_logits: int | None  # rows whose logits the step returns (None: every row)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n for s in self.seqs)
+
+
+QUERY_BLOCK = 64  # rows of a sequence that attend together: in long prompts, fewer keys each block does not see
+
+Pieces = Sequence[tuple[int, int, Sequence[int]]]  # per sequence: slot, position of its first token, its tokens
+
+
+def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False) -> StepKey:
+    """The shape of the step of `pieces`: logits of every row (decoding, or `all_logits`) or of each piece's last."""
+    seqs, offset = [], 0
+    for slot, position, tokens in pieces:
+        n_seq = len(tokens)
+        blocks = []
+        for r0 in range(0, n_seq, QUERY_BLOCK):
+            n = min(QUERY_BLOCK, n_seq - r0)
+            if 0 < n_seq - r0 - n < 2:  # no block of one row: one row's products sum otherwise (attention.py)
+                n = n_seq - r0
+            start = position + r0
+            padded_end = -(-(start + n) // KV_PAD) * KV_PAD
+            views = tuple(
+                (first, padded_end - first)
+                for first in (0 if w is None else max(0, (start - w + 1) // KV_PAD * KV_PAD) for w in windows)
+            )
+            blocks.append(QueryBlock(offset + r0, n, views))
+            if r0 + n == n_seq:
+                break
+        seqs.append(SeqKey(slot, n_seq, offset, tuple(blocks)))
+        offset += n_seq
+    every_row = all_logits or all(s.n == 1 for s in seqs)
+    key = StepKey(tuple(seqs), None if every_row else len(seqs))
+    group = decode_group(key)
+    if group is None:
+        return key
+    # Once they attend as a group, the members' own views no longer shape the graph (their masks say which keys each
+    # sees): one program serves every step whose group spans the same keys, wherever each member is in it.
+    return key._replace(seqs=tuple(
+        s._replace(blocks=(s.blocks[0]._replace(views=group.views),)) if j in group.members else s
+        for j, s in enumerate(key.seqs)
+    ))  # fmt: skip
+
+
+class DecodeGroup(NamedTuple):
+    """The step's decoding sequences (one row each) attending as one batch: slots lo .. lo + n_slots - 1 side by
+    side (the cache's slot stride), per attention kind the key range (first, count) that covers each member's view.
+    A slot of the range without a member computes a row nobody reads; a member's keys outside its own view are
+    masked, which changes no sum (multiples of KV_PAD, probabilities 0), so each member's values are those of its
+    own block."""
+
+    members: tuple[int, ...]  # indices into the step's sequences
+    lo: int
+    n_slots: int
+    views: tuple[tuple[int, int], ...]
+
+
+def decode_group(key: StepKey) -> DecodeGroup | None:
+    """The decoding sequences of the step as one group, or None: fewer than two, or a group whose slot range and
+    key span would compute more than twice the keys its members read (one long context among short ones)."""
+    members = tuple(j for j, s in enumerate(key.seqs) if s.n == 1)
+    if len(members) < 2:
+        return None
+    slots = [key.seqs[j].slot for j in members]
+    lo, n_slots = min(slots), max(slots) - min(slots) + 1
+    views = []
+    for k in range(len(key.seqs[members[0]].blocks[0].views)):
+        spans = [key.seqs[j].blocks[0].views[k] for j in members]
+        first = min(f for f, _ in spans)
+        views.append((first, max(f + n for f, n in spans) - first))
+    read = sum(n for j in members for _, n in key.seqs[j].blocks[0].views)
+    if n_slots * sum(n for _, n in views) > 2 * read:
+        return None
+    return DecodeGroup(members, lo, n_slots, tuple(views))
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """The host buffers a step program's leaves read, filled per call (`fill`)."""
+
+    ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    rows16: np.ndarray  # [T] int32: each row's row in the f16 pool (slot * R + position)
+    rows32: np.ndarray  # [T] int32: in the float32 copies (slot * C + position)
+    vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
+    masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf (none: the group's)
+    logit_rows: np.ndarray | None  # [B] int32
+    group: GroupInputs | None
+    _lanes: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def fill(self, pieces: Pieces, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
+        n_blocks = 0
+        for (slot, start, tokens), seq in zip(pieces, key.seqs, strict=True):
+            o, n = seq.offset, seq.n
+            if n == 1:  # decoding: no arrays made
+                self.ids[o], self.positions[o] = tokens[0], start
+                self.rows16[o], self.rows32[o] = slot * rows + start, slot * rows32 + start
+            else:
+                self.ids[o : o + n] = tokens
+                self.positions[o : o + n] = np.arange(start, start + n)
+                self.rows16[o : o + n] = self.positions[o : o + n] + slot * rows  # below 2^31 (`unsupported`)
+                self.rows32[o : o + n] = self.positions[o : o + n] + slot * rows32
+            for block in seq.blocks:
+                if self.masks[n_blocks]:
+                    self._mask(block, start + block.offset - o, windows, self.masks[n_blocks])
+                n_blocks += 1
+        if self.group is not None:
+            self.group.fill([pieces[j][1] for j in self.group.shape.members], windows)
+        slots = (self.rows32 // rows32).astype(np.int64)
+        for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
+            lanes = self._lanes.get((g * dv, rows32))
+            if lanes is None:
+                lanes = self._lanes[(g * dv, rows32)] = np.arange(g * dv, dtype=np.int64) * rows32  # (g*Dv + d) * C
+            base = slots * (g * dv * rows32) + self.positions  # slot * G * Dv * C + position
+            np.add(base[:, None], lanes[None, :], out=index.reshape(len(self.ids), g * dv))
+        if self.logit_rows is not None:
+            self.logit_rows[:] = [seq.offset + seq.n - 1 for seq in key.seqs]
+
+    @staticmethod
+    def _mask(block: QueryBlock, start: int, windows: Sequence[int | None], masks: list[np.ndarray]) -> None:
+        """0 where a row of `block` (at positions start ..) sees a key of its views, -inf elsewhere."""
+        for (first, n_keys), window, mask in zip(block.views, windows, masks, strict=True):
+            mask.fill(-np.inf)
+            if block.n == 1:  # one row (decoding): the keys it sees are one run
+                mask[0, (0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
+                continue
+            q_pos = np.arange(start, start + block.n, dtype=np.int64)[:, None]
+            distance = q_pos - np.arange(first, first + n_keys, dtype=np.int64)[None, :]
+            allowed = distance >= 0
+            if window is not None:
+                allowed &= distance < window
+            mask[allowed] = 0.0
+
+
+@dataclass(eq=False)
+class GroupInputs:
+    """The host buffers of a DecodeGroup: the step row each slot of its range takes its query from, the row of the
+    group's output each member takes back and the member's row of the step (both fixed by the step's shape), and
+    per kind the mask [n_slots, 1, 1, S], filled per call."""
+
+    shape: DecodeGroup
+    query_rows: np.ndarray  # [n_slots] int32
+    output_rows: np.ndarray  # [members] int32
+    step_rows: np.ndarray  # [members] int32
+    masks: list[np.ndarray]  # per kind [n_slots, 1, 1, S] float32, 0 or -inf
+
+    @classmethod
+    def of(cls, group: DecodeGroup, key: StepKey) -> GroupInputs:
+        query_rows = np.zeros(group.n_slots, dtype=np.int32)
+        output_rows = np.zeros(len(group.members), dtype=np.int32)
+        step_rows = np.zeros(len(group.members), dtype=np.int32)
+        for i, j in enumerate(group.members):
+            seq = key.seqs[j]
+            output_rows[i] = seq.slot - group.lo
+            query_rows[seq.slot - group.lo] = step_rows[i] = seq.offset
+        masks = [np.full((group.n_slots, 1, 1, n_keys), -np.inf, dtype=np.float32) for _, n_keys in group.views]
+        for mask in masks:  # a slot of the range without a member: one key, so that its row stays finite
+            mask[:, 0, 0, 0] = 0.0
+        return cls(group, query_rows, output_rows, step_rows, masks)
+
+    def fill(self, starts: Sequence[int], windows: Sequence[int | None]) -> None:
+        """Each member's row of the masks: the keys up to its position (in its window)."""
+        for row, start in zip(self.output_rows, starts, strict=True):
+            for (first, _), window, mask in zip(self.shape.views, windows, self.masks, strict=True):
+                keys = mask[row, 0, 0]
+                keys.fill(-np.inf)
+                keys[(0 if window is None else max(0, start - window + 1 - first)) : start + 1 - first] = 0.0
+
+
+def layer_windows(model: DecoderModel) -> list[int | None]:
+    """Each layer's sliding window (None: full attention)."""
+    return [block.mixer.shape.sliding_window for block in model.blocks]  # type: ignore[attr-defined]
+
+
+def attention_kinds(model: DecoderModel) -> list[int | None]:
+    """The distinct windows of the model's layers (None, full attention, first): each is a kind of attention whose
+    keys and mask a sequence shares between the layers of that kind."""
+    return sorted(set(layer_windows(model)), key=lambda w: -1 if w is None else w)
