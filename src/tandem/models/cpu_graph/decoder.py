@@ -99,9 +99,9 @@ class _StepBuilder:
         self.model, self.caches, self.key, self.experts = model, caches, key, experts
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
-        n_layers, n_seqs = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
+        n_layers, n_blocks = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
         n_cuts = sum(_cuts(block) for block in model.blocks) if key.n_tokens >= TILED_MIN_ROWS else 0
-        self.b = GraphBuilder(n_tensors=512 + n_layers * (112 + 40 * n_seqs), n_segments=n_cuts + 1)
+        self.b = GraphBuilder(n_tensors=512 + n_layers * (112 + 40 * n_blocks), n_segments=n_cuts + 1)
         self.ctx = self.b.ctx
         t = key.n_tokens
         self.kinds = {w: i for i, w in enumerate(windows)}
