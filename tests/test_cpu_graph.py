@@ -3,8 +3,8 @@
 On the bundled Gemma 3 270M the two give the same logits bit for bit (so llama.cpp's, tests/test_real_gemma3.py):
 prompts that take the host's tiled Q6_K product between graphs, chunked prefill, contexts past the sliding window,
 decode steps, and several sequences in one step; the paths take turns on one cache. On the tiny models the graphs
-cover (gpt-oss's biases, sinks and YaRN included), ggml's SwiGLU, GELU formula and routing replace torch's: close,
-not equal."""
+cover (gpt-oss's biases, sinks and YaRN included, Qwen3.5's and Qwen3-Next's delta-net and gated attention), ggml's
+SwiGLU, GELU formula, routing and delta-net conv replace torch's: close, not equal."""
 
 from __future__ import annotations
 
@@ -193,7 +193,8 @@ def test_a_group_keeps_its_program_while_its_members_move() -> None:
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf", "tiny_gpt_oss_gguf"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf", "tiny_gpt_oss_gguf",
+                                     "tiny_qwen35moe_gguf", "tiny_qwen3next_gguf"])  # fmt: skip
 def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, request: pytest.FixtureRequest) -> None:
     """The graphs' SwiGLU, GELU formula and routing are ggml's ops, the layer path's torch's: close, not equal.
     (Gemma 4 is checked against llama.cpp instead, tests/test_gpt_oss_gemma4.py: on its Q8_0 file an attention
@@ -208,11 +209,9 @@ def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, requ
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-# delta-net mixers; a float Gemma 4's GEGLU experts (transformers' tanh formula: no ggml op computes it)
-@pytest.mark.parametrize("fixture", ["tiny_qwen35moe_gguf", "tiny_qwen3next_gguf", "tiny_gemma4_gguf"])
-def test_uncovered_models_keep_the_layer_path(fixture: str, request: pytest.FixtureRequest) -> None:
-    _, path = request.getfixturevalue(fixture)
-    with tandem.LLM(Path(path), device="cpu", n_ctx=64, threads=2) as llm:
+def test_uncovered_models_keep_the_layer_path(tiny_gemma4_gguf: tuple[Path, Path]) -> None:
+    """A float Gemma 4's GEGLU experts compute transformers' tanh formula, which no ggml op does."""
+    with tandem.LLM(Path(tiny_gemma4_gguf[1]), device="cpu", n_ctx=64, threads=2) as llm:
         assert unsupported(llm.model, llm.engine.pool) is not None
         assert StepGraph.create(llm.model, llm.engine.pool, force=True) is None
         assert llm.engine.runner.cpu_graph is None

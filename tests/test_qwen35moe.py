@@ -131,13 +131,13 @@ def test_prefix_reuse_matches_fresh_run(tiny_qwen35moe_gguf: tuple[Path, Path]) 
         for t in (7, 8, 9):  # "generated" tokens appended after the prompt
             engine.append([t])
         computed = []
-        forward = engine.model.forward
+        run = engine.runner.run  # every step, through the CPU step graphs or the layers
 
-        def counting_forward(batch: StepBatch, *args: object, **kw: bool) -> torch.Tensor:
-            computed.append(batch.n_tokens)
-            return forward(batch, *args, **kw)  # type: ignore[arg-type]
+        def counting_run(pieces: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
+            computed.append(sum(len(tokens) for _, tokens in pieces))
+            return run(pieces, all_logits)
 
-        engine.model.forward = counting_forward  # type: ignore[method-assign]
+        engine.runner.run = counting_run  # type: ignore[method-assign]
         for name, (ids, n_computed) in cases.items():
             computed.clear()
             got = engine.feed(ids).numpy()
@@ -217,10 +217,15 @@ def test_chat_template_renders_and_generates(tiny_qwen35moe_gguf: tuple[Path, Pa
         assert len(out) <= 5
 
 
+@pytest.mark.parametrize("cpu_graph", ["1", "0"])
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
-def test_logits_match_llama_cpp(arch: str, request: pytest.FixtureRequest) -> None:
+def test_logits_match_llama_cpp(
+    arch: str, cpu_graph: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Against llama.cpp reading the same GGUF (scripts/record_qwen35moe_fixture.py): a prefill in one batch
-    (its chunked delta-net) and the last tokens decoded one at a time (its recurrent form)."""
+    (its chunked delta-net) and the last tokens decoded one at a time (its recurrent form); through the CPU step
+    graphs (the default) and the layer path."""
+    monkeypatch.setenv("TANDEM_CPU_GRAPH", cpu_graph)
     _, path = request.getfixturevalue(f"tiny_{arch}_gguf")
     fx = json.loads(LLAMA_CPP_FIXTURE.read_text(encoding="utf-8"))
     model = fx["models"][arch]

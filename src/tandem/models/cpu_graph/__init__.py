@@ -4,10 +4,10 @@ graph, or a few, instead of layer by layer through torch and small ggml calls (m
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`coverage.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
 "1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3, qwen3moe,
-gpt-oss and gemma4; qwen3, covered too, keeps the layer path unless switched on). The graphs multiply a MoE model's
-expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by
-default where the whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's
-blocks.
+gpt-oss, gemma4, qwen35moe and qwen3next; qwen3, covered too, keeps the layer path unless switched on). The graphs
+multiply a MoE model's expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which
+the loader makes by default where the whole model is on the CPU, as llama.cpp's CPU backend does
+(weights/repack.py), else the file's blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tandem.models.cpu_graph.ggml_graph import GraphRunner
 from tandem.models.cpu_graph.step import CacheCopies, Pieces, StepKey, attention_kinds, step_key
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
+from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
 __all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
@@ -30,7 +31,7 @@ __all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
 # Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
 # a benchmark showed them faster (docs/PERFORMANCE.md).
-DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3", "qwen3moe", "gpt-oss", "gemma4"})
+DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3", "qwen3moe", "gpt-oss", "gemma4", "qwen35moe", "qwen3next"})
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 
@@ -51,7 +52,9 @@ class StepGraph:
         assert kernels is not None
         self.model, self.pool = model, pool
         self.kinds = attention_kinds(model)
-        self.caches = [CacheCopies.of(layer) for layer in pool.layers]
+        # per layer: an attention layer's cache as the graphs read it, or a delta-net's state pool as it is
+        self.caches = [CacheCopies.of(layer) if isinstance(layer, KVPool) else layer for layer in pool.layers]
+        self._rows = next(((c.rows, c.rows32) for c in self.caches if isinstance(c, CacheCopies)), (0, 0))
         # per routed branch, keyed by its id: its experts as the layer path's ggml graph describes them
         self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)
@@ -85,8 +88,7 @@ class StepGraph:
                 self._programs.popitem(last=False)
         else:
             self._programs.move_to_end(key)
-        c = self.caches[0]
-        step.inputs.fill(pieces, key, self.kinds, c.rows, c.rows32)
+        step.inputs.fill(pieces, key, self.kinds, *self._rows)
         n_logits = key.n_tokens if key.n_logits is None else key.n_logits
         logits = torch.empty(n_logits, self.model.cfg.n_vocab, dtype=torch.float32)
         step.logits.data = logits.data_ptr()

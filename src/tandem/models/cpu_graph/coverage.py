@@ -1,7 +1,8 @@
 """Which models the CPU step graphs compute (`unsupported`: why not, or None), and the ggml ops that stand for the
 layer path's own (its activations, its cache types). What a graph does not cover keeps the layer path
-(models/decoder.py): delta-net mixers, attention with a logit softcap, a float file's GEGLU experts (transformers'
-tanh formula, which no ggml op computes), tensor-parallel ranks."""
+(models/decoder.py): attention with a logit softcap or a sliding-window ring, delta-net mixers whose key and value
+heads differ in size (ggml's fused rule needs them equal), a float file's GEGLU experts (transformers' tanh formula,
+which no ggml op computes), tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import torch
 
 from tandem.layers.activations import ACTIVATIONS
 from tandem.layers.attention import Attention
+from tandem.layers.delta_net import DeltaNetPool, GatedDeltaNet, SplitBetaAlpha
 from tandem.layers.ffn import NormedFFN, ParallelFFN, RoutedFFN
+from tandem.layers.gated_attention import GatedAttention
 from tandem.layers.linear import BiasedLinear, GGMLLinear
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MoE, NormedSoftmaxTopKRouter, SoftmaxTopKRouter, TopKSoftmaxRouter
+from tandem.layers.shared_expert import MoEWithSharedExpert
 from tandem.models.blocks import Block
 from tandem.models.cpu_graph.step import KV_PAD
 from tandem.models.decoder import DecoderModel
@@ -51,12 +55,38 @@ def _block_unsupported(block: object, pool: object) -> str | None:
     if block.mixer_reduce is not None or block.ffn_reduce is not None:
         return "tensor parallel ranks"
     m = block.mixer
-    if type(m) is not Attention or not isinstance(pool, KVPool):
+    reason = _mixer_unsupported(m, pool)
+    if reason is not None:
+        return reason
+    ffn = block.ffn
+    if isinstance(ffn, ParallelFFN):  # Gemma 4: a dense branch and a routed one, each with its own norms
+        dense = ffn.dense
+        if ffn.reduce is not None or not isinstance(dense, NormedFFN) or not isinstance(dense.ffn, GatedMLP):
+            return "a parallel feed-forward whose dense branch is not a normed MLP"
+        return _mlp_unsupported(dense.ffn) or _routed_unsupported(ffn.sparse.router, ffn.sparse.experts)
+    if isinstance(ffn, MoEWithSharedExpert):  # Qwen3.5 / Qwen3-Next: routed experts + a gated shared one
+        routed = ffn.routed
+        return _mlp_unsupported(ffn.shared.mlp) or _routed_unsupported(routed.router, routed.experts)
+    if isinstance(ffn, GatedMLP):
+        return _mlp_unsupported(ffn)
+    if isinstance(ffn, MoE):
+        return _routed_unsupported(ffn.router, ffn.experts)
+    return f"feed-forward {type(ffn).__name__}"
+
+
+def _mixer_unsupported(m: object, pool: object) -> str | None:
+    if type(m) is GatedDeltaNet and isinstance(pool, DeltaNetPool):
+        return _delta_net_unsupported(m, pool)
+    if type(m) not in (Attention, GatedAttention) or not isinstance(pool, KVPool):
         return f"mixer {type(m).__name__}"
     s = m.shape
     if s.softcap is not None:
         return "attention with softcap"
-    if not all(_by_ggml(p) for p in (m.q, m.k, m.o, m.k if m.v is None else m.v)):
+    if isinstance(m, GatedAttention):
+        projections = (m.q_gate, m.k, m.v, m.o)
+    else:
+        projections = (m.q, m.k, m.o, m.k if m.v is None else m.v)
+    if not all(_by_ggml(p) for p in projections):
         return "attention projections not read by ggml"
     if pool.k.dtype not in CACHE_TYPES or pool.window is not None:
         return f"a {pool.k.dtype} cache"
@@ -64,17 +94,20 @@ def _block_unsupported(block: object, pool: object) -> str | None:
         return "more cache rows than int32 row numbers reach"
     if pool.k.dtype is torch.float16 and (s.head_dim % 16 or s.value_dim % 4):
         return f"head size {s.head_dim}/{s.value_dim} with an f16 cache (layers/attention.py emulates its sums)"
-    ffn = block.ffn
-    if isinstance(ffn, ParallelFFN):  # Gemma 4: a dense branch and a routed one, each with its own norms
-        dense = ffn.dense
-        if ffn.reduce is not None or not isinstance(dense, NormedFFN) or not isinstance(dense.ffn, GatedMLP):
-            return "a parallel feed-forward whose dense branch is not a normed MLP"
-        return _mlp_unsupported(dense.ffn) or _routed_unsupported(ffn.sparse.router, ffn.sparse.experts)
-    if isinstance(ffn, GatedMLP):
-        return _mlp_unsupported(ffn)
-    if isinstance(ffn, MoE):
-        return _routed_unsupported(ffn.router, ffn.experts)
-    return f"feed-forward {type(ffn).__name__}"
+    return None
+
+
+def _delta_net_unsupported(m: GatedDeltaNet, pool: DeltaNetPool) -> str | None:
+    s = m.shape
+    if s.head_k_dim != s.head_v_dim:
+        return f"delta-net key/value head sizes {s.head_k_dim}/{s.head_v_dim} (ggml's rule needs them equal)"
+    ba = m.beta_alpha
+    ba_projections = (ba.beta, ba.alpha) if isinstance(ba, SplitBetaAlpha) else (ba.proj,)
+    if not all(_by_ggml(p) for p in (m.qkv, m.gate, m.out, *ba_projections)):
+        return "delta-net projections not read by ggml"
+    if pool.conv.device.type != "cpu" or not pool.ssm.transpose(2, 3).is_contiguous():
+        return "a delta-net state not in ggml's layout"
+    return None
 
 
 def _mlp_unsupported(mlp: GatedMLP) -> str | None:
@@ -96,7 +129,8 @@ _ROUTERS = (SoftmaxTopKRouter, TopKSoftmaxRouter, NormedSoftmaxTopKRouter)
 
 
 def routed_branches(model: DecoderModel) -> list[MoE | RoutedFFN]:
-    """The model's routed-expert branches (a MoE layer's FFN, or the routed half of a ParallelFFN)."""
+    """The model's routed-expert branches (a MoE layer's FFN, the routed half of a ParallelFFN, or the routed
+    experts beside a shared one)."""
     out: list[MoE | RoutedFFN] = []
     for block in model.blocks:
         ffn = block.ffn  # type: ignore[attr-defined]
@@ -104,6 +138,8 @@ def routed_branches(model: DecoderModel) -> list[MoE | RoutedFFN]:
             out.append(ffn)
         elif isinstance(ffn, ParallelFFN):
             out.append(ffn.sparse)
+        elif isinstance(ffn, MoEWithSharedExpert):
+            out.append(ffn.routed)
     return out
 
 

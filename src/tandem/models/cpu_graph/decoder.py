@@ -26,10 +26,13 @@ import numpy as np
 import torch
 
 from tandem.layers.attention import Attention, query_scaling
+from tandem.layers.delta_net import DeltaNetPool, DeltaNetShape, GatedDeltaNet, SplitBetaAlpha
 from tandem.layers.ffn import NormedFFN, ParallelFFN, RoutedFFN
+from tandem.layers.gated_attention import GatedAttention
 from tandem.layers.linear import BiasedLinear, GGMLLinear
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MoE, NormedSoftmaxTopKRouter, SoftmaxTopKRouter, TopKSoftmaxRouter
+from tandem.layers.shared_expert import MoEWithSharedExpert
 from tandem.models.blocks import Block
 from tandem.models.cpu_graph.coverage import CACHE_TYPES, GELU_TANH, GLU_OPS
 from tandem.models.cpu_graph.ggml_graph import GraphBuilder, GraphProgram, Tensor
@@ -59,6 +62,8 @@ def _cuts(block: object) -> bool:
     ffn = getattr(block, "ffn", None)
     if isinstance(ffn, ParallelFFN) and isinstance(ffn.dense, NormedFFN):
         ffn = ffn.dense.ffn
+    elif isinstance(ffn, MoEWithSharedExpert):
+        ffn = ffn.shared.mlp
     down = getattr(ffn, "down", None) if isinstance(ffn, GatedMLP) else None
     return isinstance(down, GGMLLinear) and down.weight.tiled is not None
 
@@ -85,27 +90,33 @@ class StepProgram:
 
 
 def build_step(
-    model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey, experts: Mapping[int, ExpertFFN]
+    model: DecoderModel, caches: Sequence[CacheCopies | DeltaNetPool], key: StepKey, experts: Mapping[int, ExpertFFN]
 ) -> StepProgram:
-    """The program of one step shape (see the module docstring); `experts` holds each MoE layer's experts as the
-    graphs multiply them, keyed by the id of its `MoE` (`StepGraph`)."""
+    """The program of one step shape (see the module docstring); `caches` holds each layer's state (an attention
+    layer's cache copies, a delta-net's pool), `experts` each MoE layer's experts as the graphs multiply them, keyed
+    by the id of its `MoE` (`StepGraph`)."""
     return _StepBuilder(model, caches, key, experts).build()
 
 
 class _StepBuilder:
     def __init__(
-        self, model: DecoderModel, caches: Sequence[CacheCopies], key: StepKey, experts: Mapping[int, ExpertFFN]
+        self,
+        model: DecoderModel,
+        caches: Sequence[CacheCopies | DeltaNetPool],
+        key: StepKey,
+        experts: Mapping[int, ExpertFFN],
     ) -> None:
         self.model, self.caches, self.key, self.experts = model, caches, key, experts
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
         n_layers, n_blocks = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
         n_cuts = sum(_cuts(block) for block in model.blocks) if key.n_tokens >= TILED_MIN_ROWS else 0
-        self.b = GraphBuilder(n_tensors=512 + n_layers * (112 + 40 * n_blocks), n_segments=n_cuts + 1)
+        # a delta-net layer's nodes per sequence are fewer than an attention layer's per query block
+        self.b = GraphBuilder(n_tensors=512 + n_layers * (128 + 40 * n_blocks), n_segments=n_cuts + 1)
         self.ctx = self.b.ctx
         t = key.n_tokens
         self.kinds = {w: i for i, w in enumerate(windows)}
-        geometries = {(blk.mixer.shape.n_kv_heads, blk.mixer.shape.value_dim) for blk in model.blocks}
+        geometries = {(c.pool.k.shape[2], c.pool.v.shape[3]) for c in caches if isinstance(c, CacheCopies)}
         group = decode_group(key)
         self.inputs = StepInputs(
             ids=np.zeros(t, dtype=np.int32),
@@ -128,7 +139,8 @@ class _StepBuilder:
         self.group = None if i.group is None else _GroupLeaves(
             i.group.shape, b.array(i.group.query_rows), b.array(i.group.output_rows), b.array(i.group.step_rows),
             [b.array(m) for m in i.group.masks])
-        self.cache_leaves = [self._cache_leaves(c) for c in caches]
+        self.cache_leaves = {i: self._cache_leaves(c) for i, c in enumerate(caches) if isinstance(c, CacheCopies)}
+        self.state_leaves = {i: self._state_leaves(c) for i, c in enumerate(caches) if isinstance(c, DeltaNetPool)}
 
     def build(self) -> StepProgram:
         model, ctx, key = self.model, self.ctx, self.key
@@ -153,7 +165,8 @@ class _StepBuilder:
     # -- a block ------------------------------------------------------------------------------------------
     def _block(self, i: int, block: Block, x: Tensor, select: bool) -> Tensor:
         ctx, eps = self.ctx, block.eps
-        h = self._attention(i, block.mixer, self._norm(x, block.mixer_norm, eps))
+        mixer, h = block.mixer, self._norm(x, block.mixer_norm, eps)
+        h = self._delta_net(i, mixer, h) if isinstance(mixer, GatedDeltaNet) else self._attention(i, mixer, h)
         if select:  # the last layer goes on with the rows whose logits are wanted only, as llama.cpp's
             h = ggml.ggml_get_rows(ctx, h, self.logit_rows)
             x = ggml.ggml_get_rows(ctx, x, self.logit_rows)
@@ -174,6 +187,8 @@ class _StepBuilder:
             h = self._norm(x, block.ffn_norm, eps)
             if isinstance(ffn, GatedMLP):
                 h, x = self._mlp(ffn, h, x)
+            elif isinstance(ffn, MoEWithSharedExpert):
+                h, x = self._shared_moe(ffn, h, x, block.ffn_norm, eps)
             else:
                 h = self._moe(ffn, h, h)
         if block.post_ffn_norm is not None:
@@ -206,14 +221,23 @@ class _StepBuilder:
                 b.leaf(f32, (g * d, n * c.rows32), c.k32.data_ptr(), c.k32),
                 b.leaf(f32, (1, c.vt32.numel()), c.vt32.data_ptr(), c.vt32))  # fmt: skip
 
-    def _attention(self, i: int, m: Attention, h: Tensor) -> Tensor:
+    def _attention(self, i: int, m: Attention | GatedAttention, h: Tensor) -> Tensor:
         ctx, s, t = self.ctx, m.shape, self.key.n_tokens
         hd, dv, nh, g = s.head_dim, s.value_dim, s.n_heads, s.n_kv_heads
-        q = ggml.ggml_reshape_3d(ctx, self._linear(m.q, h), hd, nh, t)  # [Hd, H, T]
+        gate = None
+        if isinstance(m, GatedAttention):  # per head Hd query rows, then Hd rows of the output gate
+            q_gate = self._linear(m.q_gate, h)  # [2*Hd*H, T]
+            q = ggml.ggml_view_3d(ctx, q_gate, hd, nh, t, 8 * hd, 8 * hd * nh, 0)  # [Hd, H, T]
+            if m.q_norm is None:
+                q = ggml.ggml_cont(ctx, q)
+            gate = ggml.ggml_view_3d(ctx, q_gate, hd, nh, t, 8 * hd, 8 * hd * nh, 4 * hd)
+            gate = ggml.ggml_cont_2d(ctx, gate, hd * nh, t)  # [H*Hd, T]
+        else:
+            q = ggml.ggml_reshape_3d(ctx, self._linear(m.q, h), hd, nh, t)  # [Hd, H, T]
         k_proj = self._linear(m.k, h)  # [G*Hd, T]
         k = ggml.ggml_reshape_3d(ctx, k_proj, hd, g, t)  # [Hd, G, T]
         v = k_proj if m.v is None else self._linear(m.v, h)  # [G*Dv, T]; none: the keys' projection (Gemma 4)
-        if m.v_norm:  # per head, without a weight, as llama.cpp's ggml_rms_norm of the values
+        if getattr(m, "v_norm", False):  # per head, without a weight, as llama.cpp's ggml_rms_norm of the values
             v = ggml.ggml_reshape_2d(ctx, ggml.ggml_rms_norm(ctx, ggml.ggml_reshape_3d(ctx, v, dv, g, t), m.norm_eps),
                                      g * dv, t)  # fmt: skip
         f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
@@ -225,7 +249,8 @@ class _StepBuilder:
         q, k = self._norm_rope(q, q_norm, m), self._norm_rope(k, m.k_norm, m)
         self._store(i, k, v, g, dv)
         kind = self.kinds[self.windows[i]]
-        sinks = None if m.sinks is None else self.b.vector(m.sinks)  # [H]
+        sinks = getattr(m, "sinks", None)
+        sinks = None if sinks is None else self.b.vector(sinks)  # [H]
         nb1, nb2 = q.contents.nb[1], q.contents.nb[2]
         members = () if self.group is None else self.group.shape.members
         blocks = [(j, seq.slot, block) for j, seq in enumerate(self.key.seqs) for block in seq.blocks]
@@ -256,15 +281,18 @@ class _StepBuilder:
             offset, _, out = parts[0]
             if offset == 0 and t > 1:
                 out = ggml.ggml_cont(ctx, out)
-            return self._linear(m.o, ggml.ggml_reshape_2d(ctx, out, dv * nh, t))
-        attn = self.b.scratch(ggml.GGML_TYPE_F32, (dv * nh, t))
-        for offset, n, out in parts:
-            if offset < 0:  # the group's rows, each to its member's row of the step
-                assert self.group is not None
-                self.b.expand(ggml.ggml_set_rows(ctx, attn, out, self.group.step_rows))
-            else:
-                rows = ggml.ggml_view_3d(ctx, attn, dv, nh, n, 4 * dv, 4 * dv * nh, 4 * dv * nh * offset)
-                self.b.expand(ggml.ggml_cpy(ctx, out, rows))
+            attn = ggml.ggml_reshape_2d(ctx, out, dv * nh, t)
+        else:
+            attn = self.b.scratch(ggml.GGML_TYPE_F32, (dv * nh, t))
+            for offset, n, out in parts:
+                if offset < 0:  # the group's rows, each to its member's row of the step
+                    assert self.group is not None
+                    self.b.expand(ggml.ggml_set_rows(ctx, attn, out, self.group.step_rows))
+                else:
+                    rows = ggml.ggml_view_3d(ctx, attn, dv, nh, n, 4 * dv, 4 * dv * nh, 4 * dv * nh * offset)
+                    self.b.expand(ggml.ggml_cpy(ctx, out, rows))
+        if gate is not None:
+            attn = ggml.ggml_mul(ctx, attn, ggml.ggml_sigmoid(ctx, gate))
         return self._linear(m.o, attn)  # [D, T]
 
     def _group_attention(
@@ -346,6 +374,87 @@ class _StepBuilder:
                                      4 * (slot * g * dv * rows + first))  # fmt: skip
         return keys, values_t
 
+    # -- delta-net ----------------------------------------------------------------------------------------
+    def _state_leaves(self, pool: DeltaNetPool) -> tuple[Tensor, Tensor]:
+        """Leaves on a delta-net layer's pool: every slot's last K-1 conv inputs [C, N*(K-1)] and recurrent states
+        [D*D*Hv, N] (each head's S transposed in memory: ggml's layout, the CPU pool's)."""
+        n, k1, c = pool.conv.shape
+        _, hv, dk, dv = pool.ssm.shape
+        f32 = ggml.GGML_TYPE_F32
+        return (self.b.leaf(f32, (c, n * k1), pool.conv.data_ptr(), pool.conv),
+                self.b.leaf(f32, (dk * dv * hv, n), pool.ssm.data_ptr(), pool.ssm))  # fmt: skip
+
+    def _delta_net(self, i: int, m: GatedDeltaNet, h: Tensor) -> Tensor:
+        """The gated delta-net of the step's rows, as llama.cpp's qwen35moe / qwen3next graphs: the projections of
+        every row, then per sequence the causal conv over the inputs its slot kept and ggml's fused delta rule on
+        its slot's state (both written back into the pool, nodes after those that read them), then the gated
+        norm and the out projection."""
+        ctx, b, s, t = self.ctx, self.b, m.shape, self.key.n_tokens
+        hk, hv, d = s.n_k_heads, s.n_v_heads, s.head_v_dim
+        c, k1 = s.conv_channels, s.conv_kernel - 1
+        qkv = self._linear(m.qkv, h)  # [C, T]
+        z = self._linear(m.gate, h)  # [Hv*D, T]
+        ba = m.beta_alpha
+        if isinstance(ba, SplitBetaAlpha):
+            beta, alpha = self._linear(ba.beta, h), self._linear(ba.alpha, h)  # [Hv, T]
+        else:  # per key head Hv/Hk betas, then Hv/Hk alphas
+            r = hv // hk
+            fused = self._linear(ba.proj, h)  # [2*Hv, T]
+            beta = ggml.ggml_view_3d(ctx, fused, r, hk, t, 8 * r, 8 * hv, 0)
+            alpha = ggml.ggml_cont_2d(ctx, ggml.ggml_view_3d(ctx, fused, r, hk, t, 8 * r, 8 * hv, 4 * r), hv, t)
+        beta = ggml.ggml_sigmoid(ctx, beta)  # contiguous [Hv, T]
+        biased = ggml.ggml_add(ctx, alpha, b.vector(m.dt_bias))
+        decay = ggml.ggml_mul(ctx, ggml.ggml_softplus(ctx, biased), b.vector(m.a))  # log decay, <= 0 [Hv, T]
+        conv_weight = b.vector(m.conv_weight)  # [K, C]
+        conv_states, ssm_states = self.state_leaves[i]
+        parts: list[tuple[int, int, Tensor]] = []  # (first row, rows, output [Hv*D, N])
+        for seq in self.key.seqs:
+            n, first, slot = seq.n, seq.offset, seq.slot
+            kept = ggml.ggml_view_2d(ctx, conv_states, c, k1, 4 * c, 4 * c * k1 * slot)  # [C, K-1]
+            rows = ggml.ggml_view_2d(ctx, qkv, c, n, 4 * c, 4 * c * first)  # [C, N]
+            window = ggml.ggml_concat(ctx, ggml.ggml_transpose(ctx, kept), ggml.ggml_transpose(ctx, rows), 0)
+            # its last K-1 inputs are what the slot keeps next
+            last = ggml.ggml_view_2d(ctx, window, k1, c, int(window.contents.nb[1]), 4 * n)  # [K-1, C]
+            b.expand(ggml.ggml_cpy(ctx, ggml.ggml_transpose(ctx, last), kept))
+            conv = ggml.ggml_ssm_conv(ctx, ggml.ggml_reshape_3d(ctx, window, k1 + n, c, 1), conv_weight)
+            conv = ggml.ggml_silu(ctx, conv)  # [C, N, 1]: q, k, v of each row
+            q = ggml.ggml_view_3d(ctx, conv, d, hk, n, 4 * d, 4 * c, 0)
+            k = ggml.ggml_view_3d(ctx, conv, d, hk, n, 4 * d, 4 * c, 4 * s.key_dim)
+            v = ggml.ggml_view_4d(ctx, conv, d, hv, n, 1, 4 * d, 4 * c, 4 * c * n, 8 * s.key_dim)
+            q, k = (self._delta_heads(s, self._l2_norm(x, m.eps), n) for x in (q, k))
+            g_seq, beta_seq = (ggml.ggml_view_4d(ctx, x, 1, hv, n, 1, 4, 4 * hv, 4 * hv * n, 4 * hv * first)
+                               for x in (decay, beta))  # fmt: skip
+            state = ggml.ggml_view_4d(ctx, ssm_states, d, d, hv, 1, 4 * d, 4 * d * d, 4 * d * d * hv,
+                                      4 * d * d * hv * slot)  # fmt: skip
+            out = ggml.ggml_gated_delta_net(ctx, q, k, v, g_seq, beta_seq, state, 1)  # [Hv*D, N + D]
+            final = ggml.ggml_view_1d(ctx, out, d * d * hv, 4 * d * hv * n)  # after the rows' outputs
+            b.expand(ggml.ggml_cpy(ctx, final, ggml.ggml_view_1d(ctx, ssm_states, d * d * hv, 4 * d * d * hv * slot)))
+            parts.append((first, n, ggml.ggml_view_2d(ctx, out, d * hv, n, 4 * d * hv, 0)))
+        if len(parts) == 1:
+            o = parts[0][2]
+        else:
+            o = b.scratch(ggml.GGML_TYPE_F32, (d * hv, t))
+            for first, n, part in parts:
+                b.expand(ggml.ggml_cpy(ctx, part, ggml.ggml_view_2d(ctx, o, d * hv, n, 4 * d * hv, 4 * d * hv * first)))
+        # the gated norm: rms_norm(o) * w * silu(z), per value head
+        o = ggml.ggml_mul(ctx, ggml.ggml_rms_norm(ctx, ggml.ggml_reshape_3d(ctx, o, d, hv, t), m.eps), b.vector(m.norm))
+        o = ggml.ggml_mul(ctx, o, ggml.ggml_silu(ctx, ggml.ggml_reshape_3d(ctx, z, d, hv, t)))
+        return self._linear(m.out, ggml.ggml_reshape_2d(ctx, o, d * hv, t))
+
+    def _l2_norm(self, x: Tensor, eps: float) -> Tensor:
+        """x / sqrt(sum(x^2) + eps) per row, as llama.cpp's graph writes it: rms_norm(x, eps / n) / sqrt(n)."""
+        n = int(x.contents.ne[0])
+        return ggml.ggml_scale(self.ctx, ggml.ggml_rms_norm(self.ctx, x, eps / n), 1.0 / math.sqrt(n))
+
+    def _delta_heads(self, s: DeltaNetShape, x: Tensor, n: int) -> Tensor:
+        """Queries or keys [D, Hk, N] as the fused rule reads them, [D, heads, N, 1]: value head j reads key head
+        j % Hk by itself (the "tiled" layout), the "grouped" one (j // (Hv/Hk)) takes them repeated."""
+        ctx, d, hk, hv = self.ctx, s.head_k_dim, s.n_k_heads, s.n_v_heads
+        if hk == hv or s.head_layout == "tiled":
+            return ggml.ggml_reshape_4d(ctx, x, d, hk, n, 1)
+        repeated = ggml.ggml_repeat_4d(ctx, ggml.ggml_reshape_4d(ctx, x, d, 1, hk, n), d, hv // hk, hk, n)
+        return ggml.ggml_reshape_4d(ctx, repeated, d, hv, n, 1)
+
     # -- feed-forward -------------------------------------------------------------------------------------
     def _mlp(self, mlp: GatedMLP, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
         """down(glu(gate(h), up(h))) -> (its output, the residual x): when llama.cpp multiplies `down` by its tiled
@@ -378,6 +487,19 @@ class _StepBuilder:
             self.b.output(x, residual)
             self.b.cut(lambda: tiled.matmul(into, out))
         return self.b.torch_leaf(out), self.b.torch_leaf(residual)
+
+    def _shared_moe(
+        self, ffn: MoEWithSharedExpert, h: Tensor, x: Tensor, norm: torch.Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """routed(h) + sigmoid(w . h) * shared(h), h the normed x -> (its output, the residual x), as llama.cpp's
+        qwen35moe graph. The shared expert first: where the graph ends before its `down` product (`_mlp`), the next
+        one starts from x and norms it again."""
+        ctx, shared = self.ctx, ffn.shared
+        out, residual = self._mlp(shared.mlp, h, x)
+        if residual is not x:
+            h = self._norm(residual, norm, eps)
+        scale = ggml.ggml_sigmoid(ctx, ggml.ggml_mul_mat(ctx, self.b.vector(shared.gate), h))  # [1, T]
+        return ggml.ggml_add(ctx, self._moe(ffn.routed, h, h), ggml.ggml_mul(ctx, out, scale)), residual
 
     def _moe(self, moe: MoE | RoutedFFN, x: Tensor, h: Tensor) -> Tensor:
         """The routing of x and the gated experts of h (`expert_ffn_nodes`, the nodes of the layer path's expert

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tandem.layers.attention import AttentionShape
 from tandem.models.decoder import DecoderModel
 from tandem.state.kv_cache import KVPool
 
@@ -193,7 +194,7 @@ class StepInputs:
                 n_blocks += 1
         if self.group is not None:
             self.group.fill([pieces[j][1] for j in self.group.shape.members], windows)
-        slots = (self.rows32 // rows32).astype(np.int64)
+        slots = (self.rows32 // max(rows32, 1)).astype(np.int64)  # rows32 0: no attention layer, no vt_index
         for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
             lanes = self._lanes.get((g * dv, rows32))
             if lanes is None:
@@ -255,11 +256,18 @@ class GroupInputs:
 
 
 def layer_windows(model: DecoderModel) -> list[int | None]:
-    """Each layer's sliding window (None: full attention)."""
-    return [block.mixer.shape.sliding_window for block in model.blocks]  # type: ignore[attr-defined]
+    """Each layer's sliding window (None: full attention, or a mixer that reads no keys)."""
+    mixers = [block.mixer for block in model.blocks]  # type: ignore[attr-defined]
+    return [m.shape.sliding_window if _attends(m) else None for m in mixers]
 
 
 def attention_kinds(model: DecoderModel) -> list[int | None]:
-    """The distinct windows of the model's layers (None, full attention, first): each is a kind of attention whose
-    keys and mask a sequence shares between the layers of that kind."""
-    return sorted(set(layer_windows(model)), key=lambda w: -1 if w is None else w)
+    """The distinct windows of the model's attention layers (None, full attention, first): each is a kind of
+    attention whose keys and mask a sequence shares between the layers of that kind."""
+    windows = {w for block, w in zip(model.blocks, layer_windows(model), strict=True) if _attends(block.mixer)}  # type: ignore[attr-defined]
+    return sorted(windows or {None}, key=lambda w: -1 if w is None else w)
+
+
+def _attends(mixer: object) -> bool:
+    """Whether a layer's mixer attends over a KV cache (a delta-net carries a state instead)."""
+    return isinstance(getattr(mixer, "shape", None), AttentionShape)
