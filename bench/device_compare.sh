@@ -63,7 +63,8 @@
 #     experts; the report's command line shows them)
 #   GGML_FROM_LLAMA=1 (build ggml-python around the ggml of llama.cpp's tree, 0.25.3, instead of its own 0.15.3:
 #     scripts/build_ggml_python.sh --ggml-from)  GGML_VERSIONS=1 (before the benches: bench/ggml_versions.py, one
-#     token's expert products per model through tandem's ggml and llama.cpp's, same graph and threads)
+#     decode step's expert products per model through tandem's ggml and llama.cpp's, same graph and threads, for
+#     each step size of GGML_VERSIONS_TOKENS="1 16" (default 1): a batched step of 16 sequences reads ~82 experts)
 #   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row, or the rows
 #     of AB_MATRIX (e.g. all), once per variant, in the same call, its table in the log: `ggml25` runs on ggml-python
 #     built around llama.cpp's ggml 0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too),
@@ -359,9 +360,12 @@ if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # qui
   libs=(--lib "$ggml_lib")
   [[ -d "$SITE_GGML25/ggml/lib" ]] && libs+=(--lib "$SITE_GGML25/ggml/lib")
   for m in "${models[@]%%:*}"; do
-    "$PY" bench/ggml_versions.py --like "$m" --threads "$THREADS" "${libs[@]}" --lib "$PEER_LIB/llama_cpp/lib" 2>&1 |
-      sed "s|$ggml_lib|tandem's ggml-python|; s|$SITE_GGML25/ggml/lib|ggml-python on ggml 0.25.3|;
-           s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
+    for tokens in ${GGML_VERSIONS_TOKENS:-1}; do
+      "$PY" bench/ggml_versions.py --like "$m" --threads "$THREADS" --tokens "$tokens" "${libs[@]}" \
+        --lib "$PEER_LIB/llama_cpp/lib" 2>&1 |
+        sed "s|$ggml_lib|tandem's ggml-python|; s|$SITE_GGML25/ggml/lib|ggml-python on ggml 0.25.3|;
+             s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
+    done
   done
 fi
 

@@ -1,10 +1,11 @@
-"""One decode token's routed-expert products through two builds of ggml's CPU backend, side by side.
+"""One decode step's routed-expert products through two builds of ggml's CPU backend, side by side.
 
-    python bench/ggml_versions.py [--like qwen3-30b-a3b] [--threads 16] [--lib DIR ...] [--reps 200]
+    python bench/ggml_versions.py [--like qwen3-30b-a3b] [--threads 16] [--tokens 1] [--lib DIR ...] [--reps 200]
 
 tandem computes CPU experts with the ggml that ggml-python vendors (0.0.45: ggml 0.15.3); llama.cpp's
 `--cpu-moe` runs the ggml of its own tree (llama-cpp-python 0.3.36: ggml 0.25.x). This times the same
-graph -- the gate, up and down `ggml_mul_mat_id` products of one token over `top_k` of the preset's experts,
+graph -- the gate, up and down `ggml_mul_mat_id` products of --tokens tokens (a batched decode step: one token
+per sequence, each routed to its own `top_k` of the preset's experts),
 Q4_K gate/up and a Q6_K down (the Q4_K_M mix's two down types: `--down Q4_K` for the other; Q8_0 where the
 down rows are not a multiple of 256, llama-quantize's fallback) -- through each library's own C API, one
 child process per library (two ggml builds cannot share a process), with the same weight bytes, the same
@@ -13,8 +14,8 @@ scales, in the library's own (mapped-file-like, not repacked) CPU memory.
 
 --lib takes a directory holding libggml-base.so and libggml-cpu.so; the default is ggml-python's and, where
 found, llama-cpp-python's (`$TANDEM_LLAMACPP_LIB` or ~/.cache/tandem/peers/llama_cpp_{cuda,cpu}/llama_cpp/lib).
-Prints one line per library: median and best µs per token over --reps computes, and the GB/s of weight bytes
-read (top_k experts x the three matrices).
+Prints one line per library: median and best µs per step over --reps computes, and the GB/s of weight bytes
+read (the step's distinct experts x the three matrices, on average).
 """
 
 from __future__ import annotations
@@ -88,17 +89,20 @@ def _child(lib_dir: str, spec: dict) -> dict:
     w_gate = tensor3(QUANT["Q4_K"], hidden, inter, experts, gate)
     w_up = tensor3(QUANT["Q4_K"], hidden, inter, experts, up)
     w_down = tensor3(QUANT[spec["down"]], inter, hidden, experts, down)
-    x = tensor3(GGML_F32, hidden, 1, 1, rng.standard_normal(hidden).astype(np.float32))
-    ids = base.ggml_new_tensor_2d(ctx, GGML_I32, top_k, 1)
-    # A fresh route per compute, as in decode (a new layer's experts each time): the same 8 experts again
-    # would be read from the cache.
-    routes = [rng.choice(experts, top_k, replace=False).astype(np.int32) for _ in range(64)]
+    tokens = spec["tokens"]
+    x = tensor3(GGML_F32, hidden, 1, tokens, rng.standard_normal(hidden * tokens).astype(np.float32))
+    ids = base.ggml_new_tensor_2d(ctx, GGML_I32, top_k, tokens)
+    # Fresh routes per compute, as in decode (a new layer's experts each time): the same experts again would be
+    # read from the cache. Each token picks its own top_k, uniformly.
+    routes = [
+        np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32) for _ in range(64)
+    ]
 
     def route(i: int) -> None:
-        ctypes.memmove(base.ggml_get_data(ids), routes[i % len(routes)].ctypes.data, 4 * top_k)
+        ctypes.memmove(base.ggml_get_data(ids), routes[i % len(routes)].ctypes.data, 4 * top_k * tokens)
 
     route(0)
-    g = base.ggml_mul_mat_id(ctx, w_gate, x, ids)  # [inter, top_k, 1]
+    g = base.ggml_mul_mat_id(ctx, w_gate, x, ids)  # [inter, top_k, tokens]
     u = base.ggml_mul_mat_id(ctx, w_up, x, ids)
     out = base.ggml_mul_mat_id(ctx, w_down, g, ids)  # g's rows are per slot: each goes to its own expert
     graph = base.ggml_new_graph(ctx)
@@ -114,9 +118,15 @@ def _child(lib_dir: str, spec: dict) -> dict:
         start = time.perf_counter()
         cpu.ggml_graph_compute_with_ctx(ctx, graph, threads)
         times.append(time.perf_counter() - start)
-    weight_bytes = top_k * (2 * gate.nbytes + down.nbytes) // experts
+    distinct = float(np.mean([len(np.unique(r)) for r in routes]))
+    weight_bytes = distinct * (2 * gate.nbytes + down.nbytes) / experts
     median = statistics.median(times)
-    return {"median_us": median * 1e6, "best_us": min(times) * 1e6, "gb_s": weight_bytes / median / 1e9}
+    return {
+        "median_us": median * 1e6,
+        "best_us": min(times) * 1e6,
+        "gb_s": weight_bytes / median / 1e9,
+        "distinct": distinct,
+    }
 
 
 def _default_libs() -> list[str]:
@@ -138,6 +148,7 @@ def main() -> int:
     parser.add_argument("--down", default="Q6_K", choices=sorted(QUANT))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=1, help="tokens of the step, each with its own routes")
     parser.add_argument("--lib", action="append", help="a directory with libggml-base.so and libggml-cpu.so")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -148,8 +159,11 @@ def main() -> int:
     down = args.down
     if down.endswith("_K") and PRESETS[args.like][1] % 256:  # rows of 256 do not fit: llama-quantize's fallback
         down = "Q8_0"
-    spec = {"shape": PRESETS[args.like], "down": down, "threads": args.threads, "reps": args.reps}
-    print(f"{args.like}: one token, top-{spec['shape'][3]} of {spec['shape'][2]} experts, gate/up Q4_K, "
+    if args.tokens < 1:
+        parser.error("--tokens must be at least 1")
+    spec = {"shape": PRESETS[args.like], "down": down, "threads": args.threads, "reps": args.reps,
+            "tokens": args.tokens}  # fmt: skip
+    print(f"{args.like}: {args.tokens} token(s), top-{spec['shape'][3]} of {spec['shape'][2]} experts, gate/up Q4_K, "
           f"down {down}, {args.threads} threads, {args.reps} computes")  # fmt: skip
     for lib_dir in args.lib or _default_libs():
         proc = subprocess.run(
@@ -159,7 +173,10 @@ def main() -> int:
             print(f"  {lib_dir}: failed: {proc.stderr.strip().splitlines()[-1:]}")
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"  {lib_dir}: {r['median_us']:.0f} µs median, {r['best_us']:.0f} best, {r['gb_s']:.1f} GB/s")
+        print(
+            f"  {lib_dir}: {r['median_us']:.0f} µs median, {r['best_us']:.0f} best, {r['gb_s']:.1f} GB/s "
+            f"({r['distinct']:.1f} distinct experts)"
+        )
     return 0
 
 

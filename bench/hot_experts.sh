@@ -12,7 +12,8 @@
 #            --cpu-moe --moe-cache $HOT_CACHE, both placed by the statistics (each run its own copy of them),
 #            and at the budget with --moe-cache-refresh $HOT_REFRESH
 #   uniform  the plain (uniform-routing) model: --gpu-memory $HOT_BUDGET with statistics against without (whole
-#            layers), and with statistics and --moe-cache-refresh $HOT_REFRESH
+#            layers), and with statistics and --moe-cache-refresh $HOT_REFRESH; --cpu-moe --moe-cache $HOT_CACHE
+#            with statistics against --cpu-moe
 #   synth    make the models of the steps named after it and record their routing statistics (untimed, so
 #            device_compare.sh runs it while llama.cpp builds)
 #   drift    zipf:1.0,drift:4 model: tandem bench --drift (teacher-forced decode, the hot set moving every
@@ -173,7 +174,10 @@ for step in "$@"; do
       bench uniform-layers -m "$u" --gpu-memory "$BUDGET"
       statistics uniform "$u" && bench uniform-refresh -m "$u" --gpu-memory "$BUDGET" \
         --expert-stats "$(own "$u.stats" refresh)" --moe-cache-refresh "$REFRESH"
-      grep -h "gpu-memory" "$work"/uniform-{stats,layers,refresh}.out | grep -i "whole\|cached" | head -6
+      bench uniform-cpu-moe -m "$u" --cpu-moe
+      statistics uniform "$u" && bench uniform-cache -m "$u" --cpu-moe --moe-cache "$CACHE" \
+        --expert-stats "$(own "$u.stats" cache)"
+      grep -h "gpu-memory\|moe-cache" "$work"/uniform-{stats,layers,refresh,cache}.out | grep -i "whole\|cached" | head -8
       ;;
     drift)
       d=$(model "${routing_of[drift]}") || continue
