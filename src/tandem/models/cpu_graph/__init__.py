@@ -3,11 +3,11 @@ graph, or a few, instead of layer by layer through torch and small ggml calls (m
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`coverage.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
-"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (gemma3, qwen3moe,
-gpt-oss, gemma4, qwen35moe and qwen3next; qwen3, covered too, keeps the layer path unless switched on). The graphs
-multiply a MoE model's expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which
-the loader makes by default where the whole model is on the CPU, as llama.cpp's CPU backend does
-(weights/repack.py), else the file's blocks.
+"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (every family tandem
+runs: gemma3, qwen3, qwen3moe, gpt-oss, gemma4, qwen35moe and qwen3next). The graphs multiply a MoE model's
+expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by
+default where the whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's
+blocks.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ __all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
 # Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
 # a benchmark showed them faster (docs/PERFORMANCE.md).
-DEFAULT_FAMILIES: frozenset[str] = frozenset({"gemma3", "qwen3moe", "gpt-oss", "gemma4", "qwen35moe", "qwen3next"})
+DEFAULT_FAMILIES: frozenset[str] = frozenset(
+    {"gemma3", "qwen3", "qwen3moe", "gpt-oss", "gemma4", "qwen35moe", "qwen3next"}
+)
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 
