@@ -29,12 +29,13 @@ def import_llama_cpp(lib: str) -> ModuleType:
     return llama_cpp
 
 
-def open_llama(lib: str, model: str, n_ctx: int, threads: int) -> tuple[ModuleType, Any]:
+def open_llama(lib: str, model: str, n_ctx: int, threads: int, cache_type: str = "f32") -> tuple[ModuleType, Any]:
     """(llama_cpp, a Llama on `model`) as the fixtures are recorded: one batch of n_ctx, logits at every
-    position, F32 K/V cache, no flash attention. Call before importing numpy."""
+    position, an F32 (or `cache_type`) K/V cache, no flash attention. Call before importing numpy."""
     llama_cpp = import_llama_cpp(lib)
+    kv = {"f32": 0, "f16": 1}[cache_type]  # ggml type ids
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                          n_threads_batch=threads, logits_all=True, type_k=0, type_v=0, flash_attn=False, seed=0,
+                          n_threads_batch=threads, logits_all=True, type_k=kv, type_v=kv, flash_attn=False, seed=0,
                           verbose=False)  # fmt: skip
     return llama_cpp, llm
 

@@ -6,8 +6,11 @@ reader of these GGUF files, not only against transformers:
 * tests/fixtures/gemma4_llamacpp.json: the tiny Gemma 4 MoE converted to Q8_0 (tests/test_gpt_oss_gemma4.py).
   Q8_0, not F32: llama.cpp's CPU GELU reads ggml's f16 table, which tandem follows for quantized files only;
   for float files it keeps transformers' tanh formula, ~1e-3 from llama.cpp (docs/gemma4_gelu.md).
+* tests/fixtures/gemma3_llamacpp.json: the tiny Gemma 3 in Q8_0 with llama.cpp's default f16 K/V cache
+  (tests/test_gemma3_llamacpp.py): its query scale, 1/sqrt(32), is no power of two, so scaling the queries
+  before their f16 rounding (llama.cpp's Gemma 3 graph) and scaling the scores round apart.
 
-    python scripts/record_qwen35moe_fixture.py [--fixture all|qwen35moe|gemma4] [--lib DIR] [--out-dir DIR]
+    python scripts/record_qwen35moe_fixture.py [--fixture all|qwen35moe|gemma4|gemma3] [--lib DIR] [--out-dir DIR]
                                                [--threads N]
 
 The parent process builds each model (tests/tiny_models.make_tiny_<arch>, seed 0) and its GGUF (F32, Q8_0
@@ -42,10 +45,12 @@ from llamacpp_child import (
     sha256_file,
 )
 
-# fixture name (file <name>_llamacpp.json) -> the tiny models it holds and convert_hf's outtype for them
-FIXTURES: dict[str, tuple[tuple[str, ...], str]] = {
-    "qwen35moe": (("qwen35moe", "qwen3next"), "f32"),
-    "gemma4": (("gemma4",), "q8_0"),  # quantized: the GELU is ggml's table in tandem as in llama.cpp
+# fixture name (file <name>_llamacpp.json) -> the tiny models it holds, convert_hf's outtype for them and the K/V
+# cache type
+FIXTURES: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "qwen35moe": (("qwen35moe", "qwen3next"), "f32", "f32"),
+    "gemma4": (("gemma4",), "q8_0", "f32"),  # quantized: the GELU is ggml's table in tandem as in llama.cpp
+    "gemma3": (("gemma3",), "q8_0", "f16"),  # f16: the queries' rounding (see above)
 }
 PROMPT_LENGTHS = (7, 80)  # 80 > one delta-net chunk (64) and > the tiny Gemma 4's sliding window (16)
 DECODE_STEPS = 5
@@ -62,10 +67,10 @@ def prompts_and_columns(n_vocab: int) -> tuple[list[list[int]], list[int]]:
 
 def worker(lib: str, model: str, threads: int, job_json: str) -> None:
     """Child process: llama.cpp logits (stored columns only) for every prompt, as JSON on stdout."""
-    llama_cpp, llm = open_llama(lib, model, 128, threads)  # before numpy
+    job = json.loads(job_json)
+    llama_cpp, llm = open_llama(lib, model, 128, threads, job["cache_type"])  # before numpy
     import numpy as np
 
-    job = json.loads(job_json)
     cols = np.asarray(job["columns"])
 
     def b64(x: np.ndarray) -> str:
@@ -110,7 +115,7 @@ def main() -> int:
 
 def record(name: str, lib: str, threads: int, out: str) -> int:
     """Build the fixture's GGUFs, run llama.cpp on each in a child process and write the fixture to out."""
-    arches, outtype = FIXTURES[name]
+    arches, outtype, cache_type = FIXTURES[name]
     prompts, columns = prompts_and_columns(512)  # every tiny model has tiny_models.VOCAB_SIZE (512) ids
     result: dict[str, object] = {"columns": columns, "decode_steps": DECODE_STEPS, "models": {}}
     version = ""
@@ -118,7 +123,7 @@ def record(name: str, lib: str, threads: int, out: str) -> int:
         for arch in arches:
             gguf = f"tiny_{arch}-{outtype}.gguf"
             model = build_tiny_gguf(f"make_tiny_{arch}", os.path.join(tmp, arch), gguf, outtype)
-            job = json.dumps({"prompts": prompts, "columns": columns})
+            job = json.dumps({"prompts": prompts, "columns": columns, "cache_type": cache_type})
             got = run_child(__file__, ["--lib", lib, "--threads", str(threads), "--worker", model, job])
             if isinstance(got, int):
                 return got
@@ -128,7 +133,7 @@ def record(name: str, lib: str, threads: int, out: str) -> int:
     result["meta"] = {
         "models": f"tests/tiny_models.{factory}(seed=0), converted to {outtype.upper()} by tandem",
         "llama_cpp_python": version,
-        "settings": "n_ctx 128, one batch per prompt, logits_all, F32 K/V, no flash attention; "
+        "settings": f"n_ctx 128, one batch per prompt, logits_all, {cache_type.upper()} K/V, no flash attention; "
         f"then the last {DECODE_STEPS} tokens one at a time",
         "threads": threads,
         "date": datetime.date.today().isoformat(),

@@ -100,6 +100,15 @@ def tiny_gemma4_q8_0_gguf(
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_q8_0_gguf(
+    tiny_gemma3_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The same tiny Gemma 3 converted to Q8_0: its llama.cpp fixture (gemma3_llamacpp.json) runs on an f16 cache."""
+    hf_dir = tiny_gemma3_gguf[0]
+    return hf_dir, convert_hf(hf_dir, tmp_path_factory.mktemp("tiny_gemma3_q8_0") / "tiny_gemma3-q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_mxfp4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The same tiny gpt-oss with its experts stored as MXFP4 blocks/scales (repacked, not requantized)."""
     return _build(tmp_path_factory, "tiny_gpt_oss_mxfp4", lambda d: make_tiny_gpt_oss(d, mxfp4=True))

@@ -34,6 +34,7 @@ def assert_logits_match_llama_cpp(
     script: str,
     columns: list[int] | None = None,
     decode_steps: int = 0,
+    cache_type: str = "f32",
 ) -> None:
     """Every prompt's prefill logits (and, with decode_steps, its last tokens decoded one at a time) within
     MAX_ABS_DIFF of llama.cpp's, on the stored columns (all ids without columns). Prints each prompt's
@@ -42,7 +43,7 @@ def assert_logits_match_llama_cpp(
         pytest.fail(f"the tiny {label} no longer converts to the recorded GGUF: re-run {script}")
     cols: list[int] | slice = slice(None) if columns is None else columns
     failures = []
-    with tandem.LLM(gguf_path, cache_type="f32", threads=2) as llm:
+    with tandem.LLM(gguf_path, cache_type=cache_type, threads=2) as llm:
         for prompt in prompts:
             ids = prompt["ids"]
             full = llm.logits(ids)[:, cols]

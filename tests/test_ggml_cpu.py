@@ -377,16 +377,20 @@ def test_fused_geglu_matches_two_products_and_the_gelu_table(kernels: CPUKernels
 
 @pytest.mark.parametrize("rows", [1, 7, 40, 150])  # decoding; prefill (tinyBLAS's 16 lanes), 150: two chunks
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("scale", [0.0625, 0.1])  # scaled queries (a power of two) or scaled scores
+# scaled queries (Gemma 3's graph; its 27B's scale is no power of two) or scaled scores (the other families)
+@pytest.mark.parametrize(("scale", "scale_queries"), [(0.0625, True), (0.1, True), (0.1, False)])
 @pytest.mark.parametrize("with_sinks", [False, True])  # gpt-oss: a sink logit per head
-def test_attention_graph_matches_the_emulation(rows: int, window: int | None, scale: float, with_sinks: bool) -> None:
+def test_attention_graph_matches_the_emulation(
+    rows: int, window: int | None, scale: float, scale_queries: bool, with_sinks: bool
+) -> None:
     """Query rows over an f16 cache: ggml's attention nodes (`ggml_attention`) give the lane-ordered emulation's
     results bit for bit, with grouped KV heads, a sliding window, ragged key counts and sinks, for one row (the
     decode step) and for several (prefill: the last rows of the keys' positions), also where a window leaves
     the first runs of 64 keys out of the product."""
     from tandem.layers.attention import AttentionShape, _attend_ggml, attend
 
-    shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=128, value_dim=64, scale=scale, sliding_window=window)
+    shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=128, value_dim=64, scale=scale, sliding_window=window,
+                           scale_queries=scale_queries)  # fmt: skip
     torch.manual_seed(14)
     # sinks around the scores' size, one far above them (its head's probabilities are then all tiny)
     sinks = torch.tensor([0.5, -2.0, 3.0, 40.0]) if with_sinks else None

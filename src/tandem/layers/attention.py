@@ -61,6 +61,7 @@ class AttentionShape:
     scale: float  # multiplies q.k
     sliding_window: int | None  # None: full causal attention
     softcap: float | None = None
+    scale_queries: bool = False  # the scale multiplies the queries, not the scores (ModelConfig.scale_queries)
 
     def new_kv(
         self, n_slots: int, n_ctx: int, dtype: torch.dtype, device: torch.device | str, n_batch: int
@@ -524,13 +525,11 @@ def _softmax_ggml(scores: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     return e * (1.0 / total).astype(np.float32)
 
 
-def query_scaling(scale: float) -> tuple[bool, np.float32]:
-    """(whether the queries are scaled, the factor left for the scores). A power-of-two scale multiplies the
-    queries before their f16 conversion, as llama.cpp's Gemma graphs do (ggml_scale on Q); any other scale
-    multiplies the scores in the softmax (`kq_scale`). For a power of two the two differ only where
-    q * scale is an f16 subnormal, but there they do."""
-    scale_queries = scale > 0 and math.frexp(scale)[0] == 0.5
-    return scale_queries, np.float32(1.0 if scale_queries else scale)
+def query_scaling(s: AttentionShape) -> tuple[bool, np.float32]:
+    """(whether the queries are scaled, the factor left for the scores), as the family's llama.cpp graph does:
+    Gemma 3 multiplies the queries before their f16 conversion (ggml_scale on Q), the others the scores in the
+    softmax (`kq_scale`). Where the scale is not a power of two, the f16 roundings of q and of q * scale differ."""
+    return s.scale_queries, np.float32(1.0 if s.scale_queries else s.scale)
 
 
 def _float32_source(keys: torch.Tensor, values: torch.Tensor, first: int, cache: LayerKV | None) -> LayerKV:
@@ -565,7 +564,7 @@ def _attend_ggml_nodes(
     same lanes, to every sum (a sliding window's layer reads its window, a prompt's first rows their prefix)."""
     t, n_keys = allowed.shape
     padded = -(-n_keys // _KV_PAD) * _KV_PAD
-    scale_queries, kq_scale = query_scaling(s.scale)
+    scale_queries, kq_scale = query_scaling(s)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)
@@ -607,7 +606,7 @@ def _attend_ggml(
     pv_lanes = _SIMD.step if t == 1 or s.value_dim % 4 else _SIMD.lanes
     kq_full = d - d % kq_lanes  # ggml_vec_dot_f16 adds the products past it one by one, in double
     padded = -(-n_keys // _KV_PAD) * _KV_PAD  # positions past the cache's are masked (probability 0)
-    scale_queries, score_scale = query_scaling(s.scale)
+    scale_queries, score_scale = query_scaling(s)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)

@@ -104,6 +104,7 @@ def attention_shape(cfg: ModelConfig, spec: LayerSpec) -> AttentionShape:
         scale=cfg.attn_scale,
         sliding_window=spec.sliding_window,
         softcap=cfg.attn_logit_softcap,
+        scale_queries=cfg.scale_queries,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.errors import GGUFFormatError, UnsupportedModelError
@@ -52,6 +52,10 @@ class ModelConfig:
     attn_logit_softcap: float | None
     moe: MoESpec | None
     layers: tuple[LayerSpec, ...]
+    # where attn_scale is applied, as llama.cpp's graph of the family does: False, on the scores in the softmax
+    # (kq_scale); True, on the queries before q.k (Gemma 3's ggml_scale of Q). The two round apart where the
+    # queries meet an f16 cache as f16.
+    scale_queries: bool = field(default=False, kw_only=True)  # keyword-only: subclasses add required fields
 
     @property
     def n_layers(self) -> int:

@@ -51,6 +51,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
         sandwich_norms=True,
         embed_scale=math.sqrt(hp.hidden),
         attn_scale=1.0 / math.sqrt(query_scale),
+        scale_queries=True,  # llama.cpp's gemma3 graph scales Q (ggml_scale) and passes kq_scale 1
         final_logit_softcap=float(softcap) if softcap else None,
         attn_logit_softcap=None,
         moe=None,

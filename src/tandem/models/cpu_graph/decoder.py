@@ -241,9 +241,9 @@ class _StepBuilder:
             v = ggml.ggml_reshape_2d(ctx, ggml.ggml_rms_norm(ctx, ggml.ggml_reshape_3d(ctx, v, dv, g, t), m.norm_eps),
                                      g * dv, t)  # fmt: skip
         f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
-        scale_queries, kq_scale = query_scaling(s.scale) if f16 else (False, s.scale)
+        scale_queries, kq_scale = query_scaling(s) if f16 else (False, s.scale)
         q_norm = m.q_norm
-        if scale_queries and q_norm is not None:
+        if scale_queries and q_norm is not None and math.frexp(s.scale)[0] == 0.5:
             # a power of two: scaling the norm's weight scales the rotated queries by it exactly (rope is linear)
             q_norm, scale_queries = q_norm.float() * s.scale, False
         q, k = self._norm_rope(q, q_norm, m), self._norm_rope(k, m.k_norm, m)
