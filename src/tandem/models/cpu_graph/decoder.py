@@ -241,7 +241,7 @@ class _StepBuilder:
             v = ggml.ggml_reshape_2d(ctx, ggml.ggml_rms_norm(ctx, ggml.ggml_reshape_3d(ctx, v, dv, g, t), m.norm_eps),
                                      g * dv, t)  # fmt: skip
         f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
-        scale_queries, kq_scale = query_scaling(s) if f16 else (False, s.scale)
+        scale_queries, kq_scale = query_scaling(s)
         q_norm = m.q_norm
         if scale_queries and q_norm is not None and math.frexp(s.scale)[0] == 0.5:
             # a power of two: scaling the norm's weight scales the rotated queries by it exactly (rope is linear)
@@ -263,8 +263,10 @@ class _StepBuilder:
             if scale_queries:
                 qs = ggml.ggml_scale(ctx, qs, s.scale)
             qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
-            # contiguous; with an f16 cache rounded to f16, as llama.cpp's f16 product converts its queries
-            qs = self._f16(qs) if f16 else ggml.ggml_cont(ctx, qs)
+            # an f16 cache: rounded to f16 (contiguous), as llama.cpp's f16 product converts its queries; an f32
+            # cache: the permuted view itself, as llama.cpp multiplies it, so that ggml sums each q.k with its own
+            # dot product, not tinyBLAS (contiguous rows only), whose sums run in another order
+            qs = self._f16(qs) if f16 else qs
             first, n_keys = block.views[kind]
             keys, values_t = self._cache_views(i, slot, first, n_keys, 1, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
