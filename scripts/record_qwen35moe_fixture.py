@@ -6,11 +6,15 @@ reader of these GGUF files, not only against transformers:
 * tests/fixtures/gemma4_llamacpp.json: the tiny Gemma 4 MoE converted to Q8_0 (tests/test_gpt_oss_gemma4.py).
   Q8_0, not F32: llama.cpp's CPU GELU reads ggml's f16 table, which tandem follows for quantized files only;
   for float files it keeps transformers' tanh formula, ~1e-3 from llama.cpp (docs/gemma4_gelu.md).
+* tests/fixtures/qwen3_llamacpp.json: the tiny dense Qwen3 in Q8_0, F32 K/V cache, one prompt of 171 tokens
+  (tests/test_llamacpp_q8_0.py): the step graphs must sum q.k in the order of llama.cpp's product of the
+  permuted queries (ggml's own dot product), or one rounding moves a Q8_0 activation code.
 * tests/fixtures/gemma3_llamacpp.json: the tiny Gemma 3 in Q8_0 with llama.cpp's default f16 K/V cache
-  (tests/test_gemma3_llamacpp.py): its query scale, 1/sqrt(32), is no power of two, so scaling the queries
+  (tests/test_llamacpp_q8_0.py): its query scale, 1/sqrt(32), is no power of two, so scaling the queries
   before their f16 rounding (llama.cpp's Gemma 3 graph) and scaling the scores round apart.
 
-    python scripts/record_qwen35moe_fixture.py [--fixture all|qwen35moe|gemma4|gemma3] [--lib DIR] [--out-dir DIR]
+    python scripts/record_qwen35moe_fixture.py [--fixture all|qwen35moe|gemma4|gemma3|qwen3] [--lib DIR]
+                                               [--out-dir DIR]
                                                [--threads N]
 
 The parent process builds each model (tests/tiny_models.make_tiny_<arch>, seed 0) and its GGUF (F32, Q8_0
@@ -51,24 +55,34 @@ FIXTURES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "qwen35moe": (("qwen35moe", "qwen3next"), "f32", "f32"),
     "gemma4": (("gemma4",), "q8_0", "f32"),  # quantized: the GELU is ggml's table in tandem as in llama.cpp
     "gemma3": (("gemma3",), "q8_0", "f16"),  # f16: the queries' rounding (see above)
+    "qwen3": (("qwen3",), "q8_0", "f32"),  # f32: the order of q.k's sums (see above)
 }
+# fixtures whose prompts are not PROMPT_LENGTHS' but these lengths, each prompt seeded by its length: the dense
+# Qwen3's 171 tokens are a prompt whose q.k sums in tinyBLAS's order moved a Q8_0 activation code (in ggml's dot
+# product's order, as llama.cpp's, none moves). One prompt: recorded after an earlier prompt and its decode steps,
+# llama.cpp gave two rows of a later prompt otherwise than from a fresh context.
 PROMPT_LENGTHS = (7, 80)  # 80 > one delta-net chunk (64) and > the tiny Gemma 4's sliding window (16)
+LENGTHS_OF = {"qwen3": (171,)}
 DECODE_STEPS = 5
 N_COLUMNS = 64
 SEED = 4321
 
 
-def prompts_and_columns(n_vocab: int) -> tuple[list[list[int]], list[int]]:
-    """The token prompts and the stored vocabulary columns (also used by the test)."""
+def prompts_and_columns(n_vocab: int, name: str = "") -> tuple[list[list[int]], list[int]]:
+    """The token prompts and the stored vocabulary columns of fixture `name` (also used by the test)."""
     rng = random.Random(SEED)
     prompts = [[rng.randrange(4, n_vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    if name in LENGTHS_OF:
+        rngs = [(n, random.Random(SEED + n)) for n in LENGTHS_OF[name]]
+        prompts = [[r.randrange(4, n_vocab) for _ in range(n)] for n, r in rngs]
     return prompts, sorted(rng.sample(range(n_vocab), N_COLUMNS))
 
 
 def worker(lib: str, model: str, threads: int, job_json: str) -> None:
     """Child process: llama.cpp logits (stored columns only) for every prompt, as JSON on stdout."""
     job = json.loads(job_json)
-    llama_cpp, llm = open_llama(lib, model, 128, threads, job["cache_type"])  # before numpy
+    n_ctx = -(-max(128, *map(len, job["prompts"])) // 128) * 128  # one batch per prompt
+    llama_cpp, llm = open_llama(lib, model, n_ctx, threads, job["cache_type"])  # before numpy
     import numpy as np
 
     cols = np.asarray(job["columns"])
@@ -116,7 +130,8 @@ def main() -> int:
 def record(name: str, lib: str, threads: int, out: str) -> int:
     """Build the fixture's GGUFs, run llama.cpp on each in a child process and write the fixture to out."""
     arches, outtype, cache_type = FIXTURES[name]
-    prompts, columns = prompts_and_columns(512)  # every tiny model has tiny_models.VOCAB_SIZE (512) ids
+    # every tiny model has tiny_models.VOCAB_SIZE (512) ids
+    prompts, columns = prompts_and_columns(512, name)
     result: dict[str, object] = {"columns": columns, "decode_steps": DECODE_STEPS, "models": {}}
     version = ""
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,10 +145,11 @@ def record(name: str, lib: str, threads: int, out: str) -> int:
             version = got["llama_cpp_version"]
             result["models"][arch] = {"gguf_sha256": sha256_file(model), "prompts": got["prompts"]}  # type: ignore[index]
     factory = f"make_tiny_{arches[0]}" if len(arches) == 1 else f"make_tiny_{{{','.join(arches)}}}"
+    n_ctx = -(-max(128, *map(len, prompts)) // 128) * 128  # as the worker's
     result["meta"] = {
         "models": f"tests/tiny_models.{factory}(seed=0), converted to {outtype.upper()} by tandem",
         "llama_cpp_python": version,
-        "settings": f"n_ctx 128, one batch per prompt, logits_all, {cache_type.upper()} K/V, no flash attention; "
+        "settings": f"n_ctx {n_ctx}, one batch per prompt, logits_all, {cache_type.upper()} K/V, no flash attention; "
         f"then the last {DECODE_STEPS} tokens one at a time",
         "threads": threads,
         "date": datetime.date.today().isoformat(),

@@ -109,6 +109,15 @@ def tiny_gemma3_q8_0_gguf(
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_q8_0_gguf(
+    tiny_qwen3_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """The same tiny Qwen3 converted to Q8_0: its llama.cpp fixture (qwen3_llamacpp.json) runs on an f32 cache."""
+    hf_dir = tiny_qwen3_gguf[0]
+    return hf_dir, convert_hf(hf_dir, tmp_path_factory.mktemp("tiny_qwen3_q8_0") / "tiny_qwen3-q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss_mxfp4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The same tiny gpt-oss with its experts stored as MXFP4 blocks/scales (repacked, not requantized)."""
     return _build(tmp_path_factory, "tiny_gpt_oss_mxfp4", lambda d: make_tiny_gpt_oss(d, mxfp4=True))
