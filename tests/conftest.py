@@ -89,32 +89,34 @@ def tiny_gemma4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     return _build(tmp_path_factory, "tiny_gemma4", make_tiny_gemma4)
 
 
+def _q8_0(factory: pytest.TempPathFactory, name: str, f32: tuple[Path, Path]) -> tuple[Path, Path]:
+    """(HF checkpoint dir, Q8_0 GGUF path): the tiny model of `f32` converted again, to Q8_0."""
+    return f32[0], convert_hf(f32[0], factory.mktemp(f"{name}_q8_0") / f"{name}-q8_0.gguf", "q8_0")
+
+
 @pytest.fixture(scope="session")
 def tiny_gemma4_q8_0_gguf(
     tiny_gemma4_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
     """The same tiny Gemma 4 converted to Q8_0 (norms, router and scales stay F32): quantized, its GEGLUs read
     ggml's f16 GELU table as llama.cpp's do (the float file keeps transformers' tanh formula)."""
-    hf_dir = tiny_gemma4_gguf[0]
-    return hf_dir, convert_hf(hf_dir, tmp_path_factory.mktemp("tiny_gemma4_q8_0") / "tiny_gemma4-q8_0.gguf", "q8_0")
+    return _q8_0(tmp_path_factory, "tiny_gemma4", tiny_gemma4_gguf)
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_q8_0_gguf(
     tiny_gemma3_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
-    """The same tiny Gemma 3 converted to Q8_0: its llama.cpp fixture (gemma3_llamacpp.json) runs on an f16 cache."""
-    hf_dir = tiny_gemma3_gguf[0]
-    return hf_dir, convert_hf(hf_dir, tmp_path_factory.mktemp("tiny_gemma3_q8_0") / "tiny_gemma3-q8_0.gguf", "q8_0")
+    """The same tiny Gemma 3 in Q8_0: its llama.cpp fixture (gemma3_llamacpp.json) runs on an f16 cache."""
+    return _q8_0(tmp_path_factory, "tiny_gemma3", tiny_gemma3_gguf)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_q8_0_gguf(
     tiny_qwen3_gguf: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:
-    """The same tiny Qwen3 converted to Q8_0: its llama.cpp fixture (qwen3_llamacpp.json) runs on an f32 cache."""
-    hf_dir = tiny_qwen3_gguf[0]
-    return hf_dir, convert_hf(hf_dir, tmp_path_factory.mktemp("tiny_qwen3_q8_0") / "tiny_qwen3-q8_0.gguf", "q8_0")
+    """The same tiny Qwen3 in Q8_0: its llama.cpp fixture (qwen3_llamacpp.json) runs on an f32 cache."""
+    return _q8_0(tmp_path_factory, "tiny_qwen3", tiny_qwen3_gguf)
 
 
 @pytest.fixture(scope="session")
