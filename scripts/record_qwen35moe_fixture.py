@@ -78,11 +78,15 @@ def prompts_and_columns(n_vocab: int, name: str = "") -> tuple[list[list[int]], 
     return prompts, sorted(rng.sample(range(n_vocab), N_COLUMNS))
 
 
+def context_size(prompts: list[list[int]]) -> int:
+    """llama.cpp's n_ctx (and batch) for these prompts: each prompt in one batch, in steps of 128."""
+    return -(-max(128, *map(len, prompts)) // 128) * 128
+
+
 def worker(lib: str, model: str, threads: int, job_json: str) -> None:
     """Child process: llama.cpp logits (stored columns only) for every prompt, as JSON on stdout."""
     job = json.loads(job_json)
-    n_ctx = -(-max(128, *map(len, job["prompts"])) // 128) * 128  # one batch per prompt
-    llama_cpp, llm = open_llama(lib, model, n_ctx, threads, job["cache_type"])  # before numpy
+    llama_cpp, llm = open_llama(lib, model, context_size(job["prompts"]), threads, job["cache_type"])  # before numpy
     import numpy as np
 
     cols = np.asarray(job["columns"])
@@ -145,12 +149,11 @@ def record(name: str, lib: str, threads: int, out: str) -> int:
             version = got["llama_cpp_version"]
             result["models"][arch] = {"gguf_sha256": sha256_file(model), "prompts": got["prompts"]}  # type: ignore[index]
     factory = f"make_tiny_{arches[0]}" if len(arches) == 1 else f"make_tiny_{{{','.join(arches)}}}"
-    n_ctx = -(-max(128, *map(len, prompts)) // 128) * 128  # as the worker's
     result["meta"] = {
         "models": f"tests/tiny_models.{factory}(seed=0), converted to {outtype.upper()} by tandem",
         "llama_cpp_python": version,
-        "settings": f"n_ctx {n_ctx}, one batch per prompt, logits_all, {cache_type.upper()} K/V, no flash attention; "
-        f"then the last {DECODE_STEPS} tokens one at a time",
+        "settings": f"n_ctx {context_size(prompts)}, one batch per prompt, logits_all, {cache_type.upper()} K/V, "
+        f"no flash attention; then the last {DECODE_STEPS} tokens one at a time",
         "threads": threads,
         "date": datetime.date.today().isoformat(),
     }

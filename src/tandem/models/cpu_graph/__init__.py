@@ -2,12 +2,10 @@
 graph, or a few, instead of layer by layer through torch and small ggml calls (models/decoder.py).
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
-the graphs do not cover the model (`coverage.unsupported`) or are switched off. `TANDEM_CPU_GRAPH` switches it:
-"1" for every model the graphs cover, "0" for none; unset, the families in `DEFAULT_FAMILIES` (every family tandem
-runs: gemma3, qwen3, qwen3moe, gpt-oss, gemma4, qwen35moe and qwen3next). The graphs multiply a MoE model's
-expert stacks as the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by
-default where the whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's
-blocks.
+the graphs do not cover the model (`coverage.unsupported`) or are switched off: `TANDEM_CPU_GRAPH=0` (for
+comparisons; unset or "1", on for every model they cover). The graphs multiply a MoE model's expert stacks as
+the layer path holds them: ggml's repacked copies of the Q4_K ones, which the loader makes by default where the
+whole model is on the CPU, as llama.cpp's CPU backend does (weights/repack.py), else the file's blocks.
 """
 
 from __future__ import annotations
@@ -26,23 +24,18 @@ from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
-__all__ = ["DEFAULT_FAMILIES", "SWITCH_ENV", "StepGraph", "enabled"]
+__all__ = ["SWITCH_ENV", "StepGraph", "enabled"]
 
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
-# Families whose CPU steps run as graphs by default: their tests against llama.cpp or transformers pass this way and
-# a benchmark showed them faster (docs/PERFORMANCE.md).
-DEFAULT_FAMILIES: frozenset[str] = frozenset(
-    {"gemma3", "qwen3", "qwen3moe", "gpt-oss", "gemma4", "qwen35moe", "qwen3next"}
-)
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 
-def enabled(arch: str) -> bool:
-    """Whether the switch asks for graphs for this family (they still need to cover the model)."""
+def enabled() -> bool:
+    """Whether the switch asks for graphs (they still need to cover the model): unless it is set to "0" or empty.
+    Every family's tests against llama.cpp or transformers pass this way, and a benchmark of each showed it faster
+    than the layer path (docs/PERFORMANCE.md)."""
     value = os.environ.get(SWITCH_ENV)
-    if value is None:
-        return arch in DEFAULT_FAMILIES
-    return value.strip() not in ("", "0")
+    return value is None or value.strip() not in ("", "0")
 
 
 class StepGraph:
@@ -66,7 +59,7 @@ class StepGraph:
     def create(cls, model: DecoderModel, pool: StatePool, force: bool | None = None) -> StepGraph | None:
         """The graphs of this model's CPU steps, or None: not covered, or switched off (`force` overrides the
         switch)."""
-        wanted = enabled(model.cfg.arch) if force is None else force
+        wanted = enabled() if force is None else force
         if not wanted or unsupported(model, pool) is not None:
             return None
         return cls(model, pool)
