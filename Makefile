@@ -6,15 +6,14 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/build_ggml_python.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch from this machine's disk; never a CUDA wheel on a CPU machine.
 	$(PY) -m pip install -q torch==2.13.0
-	# ggml as llama.cpp builds it: llamafile's batched kernels (tinyBLAS) on, which ggml's own build leaves off: CPU
-	# prefill products ~1.3x faster, and float weights' sums in llama.cpp's order. No cache: a wheel built without them
-	# would be reused.
-	CMAKE_ARGS="-DGGML_LLAMAFILE=ON" $(PY) -m pip install -q --no-cache-dir -e '.[dev]'
+	# ggml-python's bindings around the ggml llama.cpp 0.3.36 runs, built as llama.cpp builds it (see the script).
+	PYTHON=$(PY) bash scripts/build_ggml_python.sh
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

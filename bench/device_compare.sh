@@ -61,13 +61,13 @@
 #     and import on this machine, else llama.cpp is built as usual
 #   BENCH_FLAGS="--repack-experts" (more flags for `tandem bench`: tandem's own options, e.g. its repacked CPU
 #     experts; the report's command line shows them)
-#   GGML_FROM_LLAMA=1 (build ggml-python around the ggml of llama.cpp's tree, 0.25.3, instead of its own 0.15.3:
-#     scripts/build_ggml_python.sh --ggml-from)  GGML_VERSIONS=1 (before the benches: bench/ggml_versions.py, one
+#   GGML_OWN=1 (tandem's ggml-python with its own ggml 0.15.3, not the 0.25.3 of llama.cpp's tree that
+#     scripts/build_ggml_python.sh builds it around by default)  GGML_VERSIONS=1 (before the benches: bench/ggml_versions.py, one
 #     decode step's expert products per model through tandem's ggml and llama.cpp's, same graph and threads, for
 #     each step size of GGML_VERSIONS_TOKENS="1 16" (default 1): a batched step of 16 sequences reads ~82 experts)
-#   AB="ggml25 ggml25+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row, or the rows
-#     of AB_MATRIX (e.g. all), once per variant, in the same call, its table in the log: `ggml25` runs on ggml-python
-#     built around llama.cpp's ggml 0.25.3 (built beside the usual one; bench/ggml_versions.py then times it too),
+#   AB="ggml15 ggml15+repack t15" (after each model's comparison: tandem alone over the --cpu-moe row, or the rows
+#     of AB_MATRIX (e.g. all), once per variant, in the same call, its table in the log: `ggml15` runs on ggml-python
+#     with its own ggml 0.15.3 (built beside the usual one; bench/ggml_versions.py then times it too),
 #     `+repack` adds --repack-experts, `pcieK` --pcie-experts K (after BENCH_FLAGS: it wins), `tNN` uses NN threads,
 #     `amx` sets TANDEM_AMX=1 (a CPU model's matrices in ggml's AMX buffer, as llama.cpp's build holds them),
 #     `tree-NAME` imports tandem from ab/NAME/src: another
@@ -133,7 +133,7 @@ DEADLINE_S="${DEADLINE_S:-570}"
 PROFILE_PLACEMENTS="${PROFILE_PLACEMENTS:-cpu-moe,all}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
-SITE_GGML25=/tmp/site_ggml25  # AB=ggml25...: ggml-python around llama.cpp's ggml
+SITE_GGML15=/tmp/site_ggml15  # AB=ggml15...: ggml-python with its own ggml 0.15.3
 PEER_LIB="${PEER_LIB:-/tmp/llama_cpp_cuda}"
 export LLAMA_CMAKE_EXTRA="${LLAMA_CMAKE_EXTRA--DGGML_CUDA_FA=OFF}"  # read by scripts/build_llamacpp.sh
 LLAMA_BUNDLE="${LLAMA_BUNDLE:-$repo/.peers/llama_cpp_cuda.tar.xz.part-}"  # parts NN of a carried build
@@ -183,21 +183,21 @@ if [[ "${SKIP_SETUP:-0}" != 1 ]]; then
     tools_pid=$!
   fi
   ab_pid=""
-  if [[ "${AB:-}" == *ggml25* ]]; then  # the second ggml-python, for the AB variants, beside the first
-    JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh "$SITE_GGML25" --ggml-from \
-      "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)" >/tmp/ggml25_build.log 2>&1 &
+  if [[ "${AB:-}" == *ggml15* ]]; then  # the second ggml-python, for the AB variants, beside the first
+    JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh --target "$SITE_GGML15" --own-ggml \
+      >/tmp/ggml15_build.log 2>&1 &
     ab_pid=$!
   fi
   if ! "$PY" -c "import ggml" 2>/dev/null; then
-    ggml_from=()
-    [[ "${GGML_FROM_LLAMA:-0}" == 1 ]] && ggml_from=(--ggml-from "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)")
-    JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh "$SITE" "${ggml_from[@]}" >/tmp/ggml_build.log 2>&1 ||
+    own=()
+    [[ "${GGML_OWN:-0}" == 1 ]] && own=(--own-ggml)
+    JOBS=4 PYTHON="$PY" bash scripts/build_ggml_python.sh --target "$SITE" "${own[@]}" >/tmp/ggml_build.log 2>&1 ||
       { say "ggml-python build FAILED"; tail -30 /tmp/ggml_build.log; }
   fi
   say "ggml-python: $("$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))' 2>&1 | tail -1)"
   if [[ -n "$ab_pid" ]]; then
-    wait "$ab_pid" && say "ggml-python around ggml 0.25.3: $SITE_GGML25" ||
-      { say "ggml-python (ggml 0.25.3) build FAILED"; tail -30 /tmp/ggml25_build.log; }
+    wait "$ab_pid" && say "ggml-python with its own ggml 0.15.3: $SITE_GGML15" ||
+      { say "ggml-python (ggml 0.15.3) build FAILED"; tail -30 /tmp/ggml15_build.log; }
   fi
 else
   export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -358,12 +358,12 @@ fi
 if [[ "${GGML_VERSIONS:-0}" == 1 && -d "$PEER_LIB/llama_cpp/lib" ]]; then  # quiet machine: nothing else runs
   ggml_lib=$("$PY" -c 'import ggml, os; print(os.path.join(os.path.dirname(ggml.__file__), "lib"))')
   libs=(--lib "$ggml_lib")
-  [[ -d "$SITE_GGML25/ggml/lib" ]] && libs+=(--lib "$SITE_GGML25/ggml/lib")
+  [[ -d "$SITE_GGML15/ggml/lib" ]] && libs+=(--lib "$SITE_GGML15/ggml/lib")
   for m in "${models[@]%%:*}"; do
     for tokens in ${GGML_VERSIONS_TOKENS:-1}; do
       "$PY" bench/ggml_versions.py --like "$m" --threads "$THREADS" --tokens "$tokens" "${libs[@]}" \
         --lib "$PEER_LIB/llama_cpp/lib" 2>&1 |
-        sed "s|$ggml_lib|tandem's ggml-python|; s|$SITE_GGML25/ggml/lib|ggml-python on ggml 0.25.3|;
+        sed "s|$ggml_lib|tandem's ggml-python|; s|$SITE_GGML15/ggml/lib|ggml-python on ggml 0.15.3|;
              s|$PEER_LIB/llama_cpp/lib|llama.cpp's ggml|"
     done
   done
@@ -477,7 +477,7 @@ for k in "${!targets[@]}"; do
     left=$ab_share  # a prewarmed row: ~25 s (load 2-3 s, warm-up 2-3 s, 3 reps of pp512 + tg128)
     if (( left < 25 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
     flags=(-t "$THREADS") path="$PYTHONPATH"
-    [[ $variant == *ggml25* ]] && path="$SITE_GGML25:$PYTHONPATH"
+    [[ $variant == *ggml15* ]] && path="$SITE_GGML15:$PYTHONPATH"
     [[ $variant =~ tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[1]}/src:$path"
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")

@@ -7,8 +7,8 @@ SITE=/tmp/site
 mkdir -p "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
 if ! PYTHONPATH="$SITE" python3 -c "import ggml" 2>/dev/null; then
-    ggml_from=()  # GGML_FROM_LLAMA=1: around llama.cpp's ggml (scripts/build_ggml_python.sh)
-    [[ "${GGML_FROM_LLAMA:-0}" == 1 ]] && ggml_from=(--ggml-from "$(ls .peers/llama_cpp_python-*.tar.xz | head -1)")
-    bash scripts/build_ggml_python.sh "$SITE" "${ggml_from[@]}" >&2
+    own=()  # GGML_OWN=1: ggml-python's own ggml 0.15.3, not llama.cpp's (scripts/build_ggml_python.sh)
+    [[ "${GGML_OWN:-0}" == 1 ]] && own=(--own-ggml)
+    bash scripts/build_ggml_python.sh --target "$SITE" "${own[@]}" >&2
 fi
 echo "export PYTHONPATH=$SITE:$PWD/src:$PWD/tests"

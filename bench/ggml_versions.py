@@ -2,8 +2,9 @@
 
     python bench/ggml_versions.py [--like qwen3-30b-a3b] [--threads 16] [--tokens 1] [--lib DIR ...] [--reps 200]
 
-tandem computes CPU experts with the ggml that ggml-python vendors (0.0.45: ggml 0.15.3); llama.cpp's
-`--cpu-moe` runs the ggml of its own tree (llama-cpp-python 0.3.36: ggml 0.25.x). This times the same
+tandem computes CPU experts with ggml-python's bindings around the ggml of llama.cpp's tree (0.25.3,
+scripts/build_ggml_python.sh; `--own-ggml` builds ggml-python's own 0.15.3), llama.cpp's `--cpu-moe` with its own
+build of that ggml (llama-cpp-python 0.3.36): build flags may differ. This times the same
 graph -- the gate, up and down `ggml_mul_mat_id` products of --tokens tokens (a batched decode step: one token
 per sequence, each routed to its own `top_k` of the preset's experts),
 Q4_K gate/up and a Q6_K down (the Q4_K_M mix's two down types: `--down Q4_K` for the other; Q8_0 where the

@@ -1,10 +1,10 @@
 """The CPU step as ggml graphs (tandem.models.cpu_graph) against the layer-by-layer path (models/decoder.py).
 
 On the bundled Gemma 3 270M the two give the same logits bit for bit (so llama.cpp's, tests/test_real_gemma3.py):
-prompts that take the host's tiled Q6_K product between graphs, chunked prefill, contexts past the sliding window,
-decode steps, and several sequences in one step; the paths take turns on one cache. On the tiny models the graphs
-cover (gpt-oss's biases, sinks and YaRN included, Qwen3.5's and Qwen3-Next's delta-net and gated attention), ggml's
-SwiGLU, GELU formula, routing and delta-net conv replace torch's: close, not equal."""
+prompts whose Q6_K products take ggml's tiled kernel (8 rows or more), chunked prefill, contexts past the sliding
+window, decode steps, and several sequences in one step; the paths take turns on one cache. On the tiny models the
+graphs cover (gpt-oss's biases, sinks and YaRN included, Qwen3.5's and Qwen3-Next's delta-net and gated attention),
+ggml's SwiGLU, GELU formula, routing and delta-net conv replace torch's: close, not equal."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def gemma() -> Iterator[tuple[tandem.LLM, StepGraph]]:
 @pytest.mark.parametrize("n_prompt, n_decode", [(5, 3), (12, 2), (41, 2), (600, 70)])
 def test_bundled_gemma_graphs_equal_the_layer_path(gemma: tuple[tandem.LLM, StepGraph], n_prompt: int,
                                                    n_decode: int) -> None:  # fmt: skip
-    """12 and 41 rows run the tiled Q6_K product on the host between graphs; 600 tokens are prefilled in chunks of
-    160 and decoded past the sliding window (512) and across KV_PAD boundaries."""
+    """12 and 41 rows take ggml's tiled Q6_K kernel (5 rows and a decode step its dot product); 600 tokens are
+    prefilled in chunks of 160 and decoded past the sliding window (512) and across KV_PAD boundaries."""
     llm, graph = gemma
     prompt = _prompt(n_prompt, n_prompt, llm.config.n_vocab)
     ours = _run(llm, graph, prompt, n_decode)
@@ -250,14 +250,13 @@ def test_graphs_multiply_the_experts_the_loader_holds(synth_qwen3moe: Path, repa
 
 def test_a_long_prompt_step_builds_past_a_fixed_graph_size(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     """A prompt step's graph grows with its blocks of query rows: a 48-layer Qwen3-30B-A3B at -b 1024 needed ~13,000
-    nodes, past the 8,192 that every segment's graph held before (ggml aborts the process there). Built, not run: the
+    nodes, past the 8,192 that a step's graph held before (ggml aborts the process there). Built, not run: the
     tiny model with a prompt of 20,000 rows needs as many."""
     from tandem.models.cpu_graph import decoder, step
-    from tandem.models.cpu_graph.ggml_graph import Segment
 
     with tandem.LLM(Path(tiny_qwen3moe_gguf[1]), device="cpu", n_ctx=20_480, threads=2, n_batch=20_000) as llm:
         graph = _graphs(llm)
         key = step.step_key([(0, 0, [5] * 20_000)], step.layer_windows(llm.model))
         program = decoder.build_step(llm.model, graph.caches, key, graph.experts)
-        nodes = [ggml.ggml_graph_n_nodes(s.graph) for s in program.program.stages if isinstance(s, Segment)]
-    assert max(nodes) > 8192, nodes
+        nodes = ggml.ggml_graph_n_nodes(program.program.graph)
+    assert nodes > 8192, nodes

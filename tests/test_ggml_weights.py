@@ -1,6 +1,6 @@
 """How tandem holds a CPU model's matrices as llama.cpp's CPU backend does (tandem.quant.ggml_weights):
-copies repacked where ggml repacks the type, the tiled K-quant product for 8 rows or more (ggml_tiled),
-and the products of both against the plain ones, emulations and llama.cpp's own ggml."""
+copies repacked where ggml repacks the type, and their products against the plain ones, emulations and llama.cpp's
+own ggml; ggml's tiled K-quant product for 8 rows or more against its arithmetic, step by step."""
 
 from __future__ import annotations
 
@@ -17,16 +17,14 @@ import ggml
 import numpy as np
 import pytest
 import torch
-from ggml_reference import _q8_k_roundtrip, activation_as_ggml_sees_it, check, dequant, rel_err
+from ggml_reference import activation_as_ggml_sees_it, check, dequant, rel_err
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from qblocks import random_weight_bytes
 
-import tandem.quant.ggml_tiled as gtiled
 from tandem.gguf.reader import TensorInfo
 from tandem.layers.linear import GGMLLinear
 from tandem.quant.ggml_cpu import CPUKernels
-from tandem.quant.ggml_tiled import TILED_ARITHMETIC, TiledQ6K, fma32, quantize_q8_k
 from tandem.quant.ggml_weights import GGMLWeight, prepare_cpu_weight
 from tandem.weights.loader import WeightLoader
 
@@ -51,7 +49,7 @@ def test_repacked_matmul_matches_plain_product(kernels: CPUKernels, qtype: Q) ->
     n, k = 64, 512
     w = GGMLWeight(random_weight_bytes(qtype, (n, k), rng), qtype, (n, k))
     prepared = repacked_or_skip(w)
-    assert prepared.tiled is None and prepared.repacked.nbytes == w.data.nbytes
+    assert prepared.repacked.nbytes == w.data.nbytes
     wd = dequant(w)
     torch.manual_seed(int(qtype))
     for t in (1, 3, 4, 8, 13):
@@ -164,7 +162,7 @@ def test_loader_prepares_the_matrices_of_cpu_models_only() -> None:
     if ggml.ggml_cpu_has_avx2():
         assert on_cpu.weight.repacked is not None
     host = _loader(info, "cuda:0").linear(info.name)
-    assert host.inner.weight.repacked is None and host.inner.weight.tiled is None  # type: ignore[attr-defined]
+    assert host.inner.weight.repacked is None  # type: ignore[attr-defined]
 
 
 def q6_k_weight(shape: tuple[int, int], seed: int) -> GGMLWeight:
@@ -172,27 +170,6 @@ def q6_k_weight(shape: tuple[int, int], seed: int) -> GGMLWeight:
 
     raw = random_blocks(Q.Q6_K, shape, np.random.default_rng(seed)).reshape(-1).copy()
     return GGMLWeight(raw, Q.Q6_K, shape)
-
-
-def test_q6_k_unpacking_matches_gguf() -> None:
-    w = q6_k_weight((24, 512), 15)
-    codes, scales, d = gtiled._unpack_q6_k(torch.from_numpy(w.data).view(24, 2, 210))
-    assert codes.shape == (2, 24, 256) and int(codes.min()) >= -32 and int(codes.max()) <= 31
-    # gguf's dequantization: (d * scale) * (q - 32) in float32
-    ours = (d[..., None] * scales.float()).repeat_interleave(16, -1) * codes.float()
-    assert torch.equal(ours.transpose(0, 1).reshape(24, 512), dequant(w).float())
-
-
-def test_quantize_q8_k_is_ggmls() -> None:
-    torch.manual_seed(16)
-    x = torch.randn(6, 1024) * torch.rand(6, 1) * 10
-    x[0, :256] = 0  # an all-zero block: codes 0, d 0
-    x[1, 3] = x[1, 7] = -x[1].abs().max() * 2  # equal magnitudes: the first one sets the sign
-    x[1, 5] = -x[1, 3]
-    codes, d = quantize_q8_k(x)
-    assert torch.equal(codes.reshape(6, 1024) * d.repeat_interleave(256, -1),
-                       torch.from_numpy(_q8_k_roundtrip(x.numpy())).reshape(6, 1024))  # fmt: skip
-    assert float(d[0, 0]) == 0 and int(codes[1, 0, 3]) == -127 and int(codes[1, 0, 5]) == 127
 
 
 def fma32_reference(a: float, b: float, c: float) -> np.float32:
@@ -203,22 +180,8 @@ def fma32_reference(a: float, b: float, c: float) -> np.float32:
     return min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array(v).view(np.int32)) & 1))
 
 
-def test_fma32_rounds_once() -> None:
-    """On sums whose float64 rounding lands halfway between two float32 values (where rounding twice
-    goes wrong), on random ones, and on float32-subnormal ones."""
-    torch.manual_seed(17)
-    n = 400
-    c = torch.randn(n)
-    ulp = (torch.nextafter(c.abs(), torch.full_like(c, torch.inf)) - c.abs()).double()
-    sign = torch.where(torch.rand(n) < 0.5, -1.0, 1.0).double()
-    a = torch.cat([(ulp / 2 * (1 + 2.0**-23) * sign).float(), torch.randn(n), torch.randn(n) * 1e-20])
-    b = torch.cat([(1 + sign * 2.0**-23).float(), torch.randn(n), torch.randn(n)])
-    c = torch.cat([c, torch.randn(n), torch.randn(n) * 1e-38])
-    ours = fma32(a, b, c)
-    ref = [fma32_reference(float(x), float(y), float(z)) for x, y, z in zip(a, b, c, strict=True)]
-    assert [np.float32(v) for v in ours.tolist()] == ref
-    twice = (a.double() * b.double() + c.double()).float()
-    assert sum(np.float32(v) != r for v, r in zip(twice.tolist(), ref, strict=True)) > n // 10  # the test bites
+# How llama.cpp's x86 build runs the tiled kernel's float steps (tiled.cpp: on with AVX unless GGML_CPU_TILED_MM=0).
+TILED_ARITHMETIC = None if not ggml.ggml_cpu_has_avx() else "fma" if ggml.ggml_cpu_has_fma() else "mul_add"
 
 
 def tiled_reference(x: torch.Tensor, w: GGMLWeight, arithmetic: str) -> np.ndarray:
@@ -236,9 +199,10 @@ def tiled_reference(x: torch.Tensor, w: GGMLWeight, arithmetic: str) -> np.ndarr
     weights = (q * scales[..., None]).reshape(n, nb, 256)
     xb = x.numpy().reshape(x.shape[0], nb, 256)
     peak = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)
-    iscale = np.float32(-127) / peak
-    codes = np.minimum(127, np.rint(iscale * xb)).astype(np.int64)
-    d_x = (np.float32(1) / iscale)[..., 0]
+    zero = peak == 0  # quantize_row_q8_K: a block of zeros gets codes 0 and d 0
+    iscale = np.float32(-127) / np.where(zero, np.float32(1), peak)
+    codes = np.where(zero, 0, np.minimum(127, np.rint(iscale * xb))).astype(np.int64)
+    d_x = np.where(zero, np.float32(0), np.float32(1) / iscale)[..., 0]
     sums = np.einsum("tbe,nbe->tnb", codes, weights)
     out = np.zeros((x.shape[0], n), dtype=np.float32)
     for t in range(x.shape[0]):
@@ -254,69 +218,27 @@ def tiled_reference(x: torch.Tensor, w: GGMLWeight, arithmetic: str) -> np.ndarr
     return out
 
 
-@pytest.mark.parametrize("arithmetic", ["fma", "mul_add"])
-def test_tiled_q6_k_product_is_the_kernels_arithmetic(arithmetic: str) -> None:
-    """Bit for bit the step-by-step reference, and within the Q8_K activation rounding of the float64
-    product (the kernel's only approximation)."""
-    w = q6_k_weight((16, 768), 18)
-    tiled = TiledQ6K(w.data, w.shape, arithmetic)
-    torch.manual_seed(19)
-    for t in (8, 11):
-        x = torch.randn(t, 768)
-        y = tiled.matmul(x)
-        assert np.array_equal(y.numpy(), tiled_reference(x, w, arithmetic)), t
-        check(y, x.double() @ dequant(w).T, activation_as_ggml_sees_it(x, Q.Q6_K) @ dequant(w).T, Q.Q6_K)
-
-
-def test_tiled_q6_k_int8_and_float64_products_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The block sums as int8 products (hi and lo parts of the scaled codes) or float64 ones: both exact; the
-    multiply-adds by torch's addcmul (where it is fused), numpy's chain or `fma32`: the same roundings."""
-    w = q6_k_weight((48, 1024), 23)
-    torch.manual_seed(24)
-    x = torch.randn(70, 1024) * torch.logspace(-3, 3, 1024)  # blocks of very different magnitudes
-    x[5] = 0.0  # a row of zeros, and a block of zeros in another
-    x[9, 256:512] = 0.0
-    int8 = TiledQ6K(w.data, w.shape).matmul(x)
-    with monkeypatch.context() as m:  # the multiply-adds in numpy where torch's addcmul is not fused
-        m.setattr(gtiled, "fused_addcmul", lambda: False)
-        assert torch.equal(TiledQ6K(w.data, w.shape).matmul(x), int8)
-    monkeypatch.setattr(gtiled, "INT8_PRODUCTS", False)
-    assert torch.equal(TiledQ6K(w.data, w.shape).matmul(x), int8)
-
-
-def test_tiled_q6_k_chunked_and_uncached_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gtiled, "INT8_PRODUCTS", False)  # the float64 products' chunking
-    w = q6_k_weight((40, 1024), 20)
-    x = torch.randn(9, 1024)
-    cached = TiledQ6K(w.data, w.shape)
-    y = cached.matmul(x)
-    assert cached._parts is not None
-    monkeypatch.setattr(gtiled, "CACHE_MAX_BYTES", 3000)  # rows unpacked per call, 2 at a time
-    monkeypatch.setattr(gtiled, "CHUNK_BYTES", 20000)  # and one block per step
-    uncached = TiledQ6K(w.data, w.shape)
-    assert torch.equal(uncached.matmul(x), y)
-    assert uncached._parts is None
-
-
 @pytest.mark.skipif(TILED_ARITHMETIC is None, reason="llama.cpp's build on this CPU has no tiled kernel")
-def test_tiled_product_from_8_rows_on_prepared_q6_k(kernels: CPUKernels) -> None:
-    """A prepared Q6_K weight: ggml's plain product below 8 rows, the tiled kernel's from 8; both within
-    float32 rounding of each other."""
-    w = q6_k_weight((32, 512), 21)
+def test_q6_k_products_from_8_rows_are_the_tiled_kernels(kernels: CPUKernels) -> None:
+    """tandem's ggml is llama.cpp's: a Q6_K product of 8 rows or more is its tiled kernel's arithmetic bit for bit
+    (and within the Q8_K activation rounding of the float64 product), fewer rows its dot product's, within float32
+    rounding of the tiled one."""
+    w = q6_k_weight((32, 768), 18)
     prepared = prepare_cpu_weight(w)
-    assert prepared.tiled is not None and prepared.repacked is None
-    torch.manual_seed(22)
-    for t in (1, 7, 8, 30):
-        x = torch.randn(t, 512)
-        y = kernels.matmul(x, prepared)
-        plain = kernels.matmul(x, w)
-        if t < 8:
-            assert torch.equal(y, plain)
-        else:
-            assert torch.equal(y, prepared.tiled.matmul(x))
-            assert rel_err(y, plain.double()) < 1e-6
+    assert prepared.repacked is None  # no x86 repacking for Q6_K
+    torch.manual_seed(19)
+    x = torch.randn(30, 768) * torch.logspace(-2, 2, 768)
+    x[9] = 0.0  # a row of zeros, and a block of zeros in another
+    x[12, 256:512] = 0.0
+    for t in (8, 11, 30):
+        y = kernels.matmul(x[:t], prepared)
+        assert np.array_equal(y.numpy(), tiled_reference(x[:t], w, TILED_ARITHMETIC)), t
+        check(y, x[:t].double() @ dequant(w).T, activation_as_ggml_sees_it(x[:t], Q.Q6_K) @ dequant(w).T, Q.Q6_K)
+    for t in (1, 7):
+        y = kernels.matmul(x[:t], prepared)
+        assert rel_err(y, torch.from_numpy(tiled_reference(x[:t], w, TILED_ARITHMETIC)).double()) < 1e-6
     out = torch.empty(8, 32)
-    assert kernels.matmul(torch.randn(8, 512), prepared, out=out) is out
+    assert kernels.matmul(x[:8], prepared, out=out) is out
 
 
 LLAMACPP_CPU = Path.home() / ".cache" / "tandem" / "peers" / "llama_cpp_cpu"

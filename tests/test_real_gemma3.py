@@ -7,8 +7,8 @@ scripts/record_llamacpp_fixtures.py, the op-level tensors by scripts/compare_act
 
 Every op tandem computes itself on the CPU (RMS norm, rope, attention with the f16 cache, GEGLU) gives
 llama.cpp's float32 results bit for bit (test_ops_match_llamacpp_bit_for_bit), and the quantized products
-are llama.cpp's too: the Q4_K weights are repacked for ggml's interleaved kernels and the Q6_K products
-over 8 rows or more follow llama.cpp's tiled kernel (tandem/quant/ggml_weights.py, ggml_tiled.py). So every
+are llama.cpp's too: the Q4_K weights are repacked for ggml's interleaved kernels (tandem/quant/ggml_weights.py)
+and tandem's ggml is llama.cpp's, whose Q6_K products over 8 rows or more take its tiled kernel. So every
 prompt matches for all its tokens and the last-position logits are llama.cpp's exactly -- against the set
 recorded on a CPU of this one's kind: llama.cpp itself runs other kernel variants on each (AVX2 or AVX-512
 repacked Q4_K products, 8- or 16-float attention sums), whose last bits differ. Other CPUs run the tests that
@@ -87,17 +87,16 @@ def cpu_linears(llm: tandem.LLM) -> list[GGMLLinear]:
 
 @recording_cpu
 def test_cpu_weights_held_as_llamacpp_holds_them(gemma: tandem.LLM) -> None:
-    """The 27 Q4_K matrices repacked (rows a multiple of 8), the 9 Q6_K ffn_down with the tiled product,
-    the rest (Q5_0, Q8_0 with K = 640) in the memory map."""
+    """The 27 Q4_K matrices repacked (rows a multiple of 8), the rest (the 9 Q6_K ffn_down, Q5_0, Q8_0 with K =
+    640) in the memory map."""
     linears = cpu_linears(gemma)
     assert len(linears) == 18 * 7 + 1
-    by_type: dict[str, tuple[int, int, int]] = {}
+    by_type: dict[str, tuple[int, int]] = {}
     for linear in linears:
         w = linear.weight
-        repacked, tiled, plain = by_type.get(w.qtype.name, (0, 0, 0))
-        by_type[w.qtype.name] = (repacked + (w.repacked is not None), tiled + (w.tiled is not None),
-                                 plain + (w.repacked is None and w.tiled is None))  # fmt: skip
-    assert by_type == {"Q4_K": (27, 0, 0), "Q6_K": (0, 9, 0), "Q5_0": (0, 0, 81), "Q8_0": (0, 0, 10)}
+        repacked, plain = by_type.get(w.qtype.name, (0, 0))
+        by_type[w.qtype.name] = (repacked + (w.repacked is not None), plain + (w.repacked is None))
+    assert by_type == {"Q4_K": (27, 0), "Q6_K": (0, 9), "Q5_0": (0, 81), "Q8_0": (0, 10)}
 
 
 @recording_cpu

@@ -29,6 +29,10 @@ class ConversionError(TandemError):
     """`tandem convert` cannot convert the given checkpoint."""
 
 
+class InstallationError(TandemError):
+    """A library tandem needs is missing or is not the build it needs."""
+
+
 def os_reason(e: OSError) -> str:
     """An OSError for a one-line message, naming the path that failed: creating `out.gguf`'s folder fails on the
     folder, not on `out.gguf`."""

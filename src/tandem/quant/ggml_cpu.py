@@ -11,8 +11,9 @@ buffer and its threadpool live as long as the `CPUKernels` object, and the one-n
 distinct problem (type, shape, token count) is built once and cached; a call then only writes three
 or four `data` pointers into the cached ggml tensors and runs the graph.
 
-The matrices of a CPU model are held as llama.cpp's CPU backend holds them (repacked copies, the tiled
-K-quant product: `tandem.quant.ggml_weights`), so that the products are llama.cpp's to the bit.
+The matrices of a CPU model are held as llama.cpp's CPU backend holds them (repacked copies:
+`tandem.quant.ggml_weights`), and ggml is the version llama.cpp runs (`require_ggml`: its tiled K-quant kernel for 8
+rows or more among others), so that the products are llama.cpp's to the bit.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import ggml
 import torch
 from gguf import GGMLQuantizationType
 
-from tandem.errors import UnsupportedModelError
-from tandem.quant.ggml_tiled import TILED_MIN_ROWS
+from tandem.errors import InstallationError, UnsupportedModelError
 from tandem.quant.ggml_weights import (
     GGMLWeight,
     RepackedTensor,
@@ -153,6 +153,21 @@ class _FFNGraph:
     inputs: list
 
 
+# The ggml that llama-cpp-python 0.3.36 vendors, whose products (the tiled K-quant kernel for 8 rows or more,
+# tinyBLAS) give llama.cpp's bits; ggml-python vendors an older one (0.15.3) that lacks them.
+GGML_MIN_VERSION = (0, 25)
+
+
+def require_ggml() -> None:
+    """Raise InstallationError unless the loaded ggml library is at least GGML_MIN_VERSION."""
+    version = ggml.ggml_version().decode()
+    if tuple(int(part) for part in version.split(".")[:2]) < GGML_MIN_VERSION:
+        raise InstallationError(
+            f"ggml-python runs ggml {version}; tandem needs ggml >= {'.'.join(map(str, GGML_MIN_VERSION))}, the one "
+            "llama.cpp runs: install ggml-python with scripts/build_ggml_python.sh (`make` does)"
+        )
+
+
 class CPUKernels:
     """ggml CPU matrix products on quantized GGUF weights, with a persistent backend and threadpool.
 
@@ -175,6 +190,7 @@ class CPUKernels:
         """Start a ggml CPU backend that computes with `n_threads` threads."""
         if n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        require_ggml()
         self.n_threads = int(n_threads)
         self._lock = threading.Lock()
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
@@ -211,8 +227,6 @@ class CPUKernels:
         y = _output(out, (t, n))
         if t == 0:
             return y
-        if w.tiled is not None and t >= TILED_MIN_ROWS:
-            return w.tiled.matmul(x, y)
         repacked = w.repacked
         key = (0, int(w.qtype), n, k, t, repacked is not None)
         with self._lock:
@@ -245,14 +259,14 @@ class CPUKernels:
 
     def geglu(self, x: torch.Tensor, gate: GGMLWeight, up: GGMLWeight) -> torch.Tensor:
         """ggml_geglu_split(gate(x), up(x)) in one graph: both products and ggml's GEGLU (its f16 GELU table)
-        for one compute call. For fewer than `TILED_MIN_ROWS` rows (the tiled product is not used then).
+        for one compute call.
 
         x: [T, K]; gate, up: (F, K) matrices. Returns [T, F] float32."""
         x = _as_f32(x)
         t = x.shape[0]
         f, k = gate.shape
-        if up.shape != gate.shape or x.dim() != 2 or x.shape[1] != k or not 0 < t < TILED_MIN_ROWS:
-            raise ValueError(f"geglu needs x [T < {TILED_MIN_ROWS}, {k}] and two ({f}, {k}) weights")
+        if up.shape != gate.shape or x.dim() != 2 or x.shape[1] != k or t == 0:
+            raise ValueError(f"geglu needs x [T > 0, {k}] and two ({f}, {k}) weights")
         y = torch.empty(t, f, dtype=torch.float32)
         key = (3, int(gate.qtype), int(up.qtype), f, k, t, gate.repacked is not None, up.repacked is not None)
         with self._lock:

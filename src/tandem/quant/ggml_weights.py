@@ -16,9 +16,8 @@ file's memory map) and, where ggml's CPU backend multiplies a weight from anothe
   run one AMX product and matched the plain one (`amx_usable`): some virtual machines advertise AMX and fault on
   its first tile instruction (`ldtilecfg`: SIGSEGV on the 2-vCPU dev machine), which must not take the process
   down. The project's llama.cpp CPU builds for the dev machine leave AMX out (scripts/build_llamacpp.sh).
-* The tiled K-quant product (`tandem.quant.ggml_tiled`): for 8 activation rows or more, llama.cpp runs
-  K-quant weights that are not repacked through a tiled kernel that tandem's ggml lacks; its Q6_K case
-  is computed exactly in torch.
+* The tiled K-quant product: for 8 activation rows or more, ggml (0.25 and later, as llama.cpp runs it) multiplies
+  K-quant weights that are not repacked with a tiled kernel; `ggml_mul_mat` takes it by itself.
 
 `point_weight` / `point_tensor` aim a ggml tensor at a weight's bytes (the blocks or the copy).
 """
@@ -41,8 +40,6 @@ import ggml
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-
-from tandem.quant.ggml_tiled import TiledQ6K, tiled_product
 
 __all__ = ["GGMLWeight", "RepackedTensor", "lookup_supported", "mul_mat_supported", "prepare_cpu_weight",
            "repack_experts", "point_weight", "point_tensor", "new_tensor"]  # fmt: skip
@@ -76,8 +73,8 @@ class GGMLWeight:
     object keeps it alive, so the ggml tensors that point at it stay valid while it is referenced.
     `shape` is in PyTorch order: (N, K) for a matrix, (E, N, K) for stacked experts.
 
-    `repacked` / `tiled`: how llama.cpp's CPU backend would multiply the matrix, when it does so other
-    than with ggml's plain `mul_mat` on the blocks (set by `prepare_cpu_weight`; see the module docstring).
+    `repacked`: the copy llama.cpp's CPU backend would multiply instead of the blocks, where it repacks the matrix
+    (set by `prepare_cpu_weight`; see the module docstring).
     """
 
     data: np.ndarray
@@ -86,7 +83,6 @@ class GGMLWeight:
     # Address of data[0], read once here rather than on every call.
     ptr: int = field(init=False, repr=False)
     repacked: RepackedTensor | None = field(default=None, repr=False)
-    tiled: TiledQ6K | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         qtype = GGMLQuantizationType(self.qtype)
@@ -308,16 +304,12 @@ def _free_repacked(ctx: int, buffer: int | None) -> None:
 
 def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
     """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the AMX (with
-    TANDEM_AMX=1) or CPU_REPACK buffer when ggml takes it there, else left in the memory map, with the tiled
-    kernel's product for 8 rows or more where llama.cpp's build has one for its type. Stacked experts
+    TANDEM_AMX=1) or CPU_REPACK buffer when ggml takes it there, else left in the memory map. Stacked experts
     (mul_mat_id) are left as they are."""
-    if len(w.shape) != 2 or w.repacked is not None or w.tiled is not None:
+    if len(w.shape) != 2 or w.repacked is not None:
         return w
     repacked = RepackedTensor.create(w)
-    if repacked is not None:
-        return dataclasses.replace(w, repacked=repacked)
-    tiled = tiled_product(w.data, w.qtype, w.shape)
-    return w if tiled is None else dataclasses.replace(w, tiled=tiled)
+    return w if repacked is None else dataclasses.replace(w, repacked=repacked)
 
 
 # Expert types repacked beside a GPU (--repack-experts): those whose repacked product equals the plain one to

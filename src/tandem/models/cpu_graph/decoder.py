@@ -7,8 +7,7 @@ kept (`StepGraph`).
 The values are those of the layer-by-layer path (models/decoder.py), which are llama.cpp's on the bundled Gemma 3:
 every op the layers emulate in numpy/torch to round as ggml does is ggml's own op here; the attention over an f16
 cache runs on float32 copies of the f16 values (layers/attention.py `ggml_attention` says why), which the graph
-writes beside the f16 rows; the one product ggml 0.15.3 lacks, llama.cpp's tiled Q6_K kernel for 8 rows or more
-(quant/ggml_tiled.py), runs on the host between two graphs. As in llama.cpp, the last layer computes only the rows
+writes beside the f16 rows. As in llama.cpp, the last layer computes only the rows
 whose logits the step returns once its attention is done.
 
 Shapes in comments are ggml's, ne0 first: D = hidden, T = the step's rows, Hd = head size, H / G = query / KV
@@ -48,24 +47,11 @@ from tandem.models.cpu_graph.step import (
 )
 from tandem.models.decoder import DecoderModel
 from tandem.quant.ggml_cpu import ExpertFFN, expert_ffn_nodes
-from tandem.quant.ggml_tiled import Q8_K_BYTES, TILED_MIN_ROWS
 from tandem.quant.ggml_weights import GGMLWeight
 
 __all__ = ["StepProgram", "build_step"]
 
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
-
-
-def _cuts(block: object) -> bool:
-    """Whether a prompt's step may end a graph in this block: before its MLP's `down` product, which the host
-    computes where llama.cpp multiplies it by its tiled kernel (`_StepBuilder._mlp`)."""
-    ffn = getattr(block, "ffn", None)
-    if isinstance(ffn, ParallelFFN) and isinstance(ffn.dense, NormedFFN):
-        ffn = ffn.dense.ffn
-    elif isinstance(ffn, MoEWithSharedExpert):
-        ffn = ffn.shared.mlp
-    down = getattr(ffn, "down", None) if isinstance(ffn, GatedMLP) else None
-    return isinstance(down, GGMLLinear) and down.weight.tiled is not None
 
 
 @dataclass(eq=False)
@@ -110,9 +96,8 @@ class _StepBuilder:
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
         n_layers, n_blocks = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
-        n_cuts = sum(_cuts(block) for block in model.blocks) if key.n_tokens >= TILED_MIN_ROWS else 0
         # a delta-net layer's nodes per sequence are fewer than an attention layer's per query block
-        self.b = GraphBuilder(n_tensors=512 + n_layers * (128 + 40 * n_blocks), n_segments=n_cuts + 1)
+        self.b = GraphBuilder(n_tensors=512 + n_layers * (128 + 40 * n_blocks))
         self.ctx = self.b.ctx
         t = key.n_tokens
         self.kinds = {w: i for i, w in enumerate(windows)}
@@ -177,8 +162,8 @@ class _StepBuilder:
         if isinstance(ffn, ParallelFFN):  # dense(x) + routed(x), each normed after, as add_normed sums them
             dense = ffn.dense
             assert isinstance(dense, NormedFFN) and isinstance(dense.ffn, GatedMLP)
-            h, x = self._mlp(dense.ffn, self._maybe_norm(x, dense.pre_norm, dense.eps), x)  # first: it may cut
-            h = self._maybe_norm(h, dense.post_norm, dense.eps)
+            h = self._maybe_norm(self._mlp(dense.ffn, self._maybe_norm(x, dense.pre_norm, dense.eps)), dense.post_norm,
+                                 dense.eps)
             sparse = ffn.sparse
             routed = self._moe(sparse, x, self._maybe_norm(x, sparse.expert_norm, sparse.eps))
             h = ggml.ggml_add(ctx, h, self._maybe_norm(routed, sparse.post_norm, sparse.eps))
@@ -186,9 +171,9 @@ class _StepBuilder:
             assert block.ffn_norm is not None
             h = self._norm(x, block.ffn_norm, eps)
             if isinstance(ffn, GatedMLP):
-                h, x = self._mlp(ffn, h, x)
+                h = self._mlp(ffn, h)
             elif isinstance(ffn, MoEWithSharedExpert):
-                h, x = self._shared_moe(ffn, h, x, block.ffn_norm, eps)
+                h = self._shared_moe(ffn, h)
             else:
                 h = self._moe(ffn, h, h)
         if block.post_ffn_norm is not None:
@@ -458,50 +443,21 @@ class _StepBuilder:
         return ggml.ggml_reshape_4d(ctx, repeated, d, hv, n, 1)
 
     # -- feed-forward -------------------------------------------------------------------------------------
-    def _mlp(self, mlp: GatedMLP, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        """down(glu(gate(h), up(h))) -> (its output, the residual x): when llama.cpp multiplies `down` by its tiled
-        kernel, which ggml 0.15.3 lacks, the graph ends before that product, the host computes it
-        (quant/ggml_tiled.py) and the next graph starts from its result and x."""
+    def _mlp(self, mlp: GatedMLP, h: Tensor) -> Tensor:
+        """down(glu(gate(h), up(h)))."""
         ctx = self.ctx
         gate, up = self._linear(mlp.gate, h), self._linear(mlp.up, h)
         if mlp.act is GELU_TANH:
             hidden = ggml.ggml_mul(ctx, _gelu_tanh(ctx, gate), up)  # [F, T]
         else:
             hidden = GLU_OPS[mlp.act](ctx, gate, up)
-        down = mlp.down
-        assert isinstance(down, GGMLLinear)
-        rows = int(hidden.contents.ne[1])
-        tiled = down.weight.tiled
-        if tiled is None or rows < TILED_MIN_ROWS:
-            return self._linear(down, hidden), x
-        d, f = down.weight.shape
-        residual = torch.empty(rows, d, dtype=torch.float32)
-        out = torch.empty(rows, d, dtype=torch.float32)
-        if tiled.int8:  # the activations leave the graph quantized to Q8_K by ggml, as the kernel quantizes them
-            blocks = torch.empty(rows, f // 256 * Q8_K_BYTES, dtype=torch.uint8)
-            q8 = self.b.leaf(ggml.GGML_TYPE_Q8_K, (f, rows), blocks.data_ptr(), blocks)
-            self.b.expand(ggml.ggml_cpy(ctx, hidden, q8))
-            self.b.output(x, residual)
-            self.b.cut(lambda: tiled.matmul_q8_k(blocks, out))
-        else:
-            into = torch.empty(rows, f, dtype=torch.float32)
-            self.b.output(hidden, into)
-            self.b.output(x, residual)
-            self.b.cut(lambda: tiled.matmul(into, out))
-        return self.b.torch_leaf(out), self.b.torch_leaf(residual)
+        return self._linear(mlp.down, hidden)
 
-    def _shared_moe(
-        self, ffn: MoEWithSharedExpert, h: Tensor, x: Tensor, norm: torch.Tensor, eps: float
-    ) -> tuple[Tensor, Tensor]:
-        """routed(h) + sigmoid(w . h) * shared(h), h the normed x -> (its output, the residual x), as llama.cpp's
-        qwen35moe graph. The shared expert first: where the graph ends before its `down` product (`_mlp`), the next
-        one starts from x and norms it again."""
+    def _shared_moe(self, ffn: MoEWithSharedExpert, h: Tensor) -> Tensor:
+        """routed(h) + sigmoid(w . h) * shared(h), h the normed x, as llama.cpp's qwen35moe graph."""
         ctx, shared = self.ctx, ffn.shared
-        out, residual = self._mlp(shared.mlp, h, x)
-        if residual is not x:
-            h = self._norm(residual, norm, eps)
         scale = ggml.ggml_sigmoid(ctx, ggml.ggml_mul_mat(ctx, self.b.vector(shared.gate), h))  # [1, T]
-        return ggml.ggml_add(ctx, self._moe(ffn.routed, h, h), ggml.ggml_mul(ctx, out, scale)), residual
+        return ggml.ggml_add(ctx, self._moe(ffn.routed, h, h), ggml.ggml_mul(ctx, self._mlp(shared.mlp, h), scale))
 
     def _moe(self, moe: MoE | RoutedFFN, x: Tensor, h: Tensor) -> Tensor:
         """The routing of x and the gated experts of h (`expert_ffn_nodes`, the nodes of the layer path's expert

@@ -5,10 +5,8 @@ whose memory exists already is a leaf pointed at it when it is made: weights in 
 copies), norm vectors, the KV cache, and the step's inputs and outputs, whose buffers the program owns and fills per
 call. Everything else is an intermediate node that a graph allocator (`ggml_gallocr`) places.
 
-A program is one graph, or a few (`Segment`s) with host work between them (`HostStage`, e.g. a product ggml cannot
-compute as llama.cpp does): the tensors that cross from one segment to the next live in buffers of the program's
-own. The segments of every program share one allocator per `GraphRunner`, so the memory of a step's intermediates
-is that of its largest segment; a segment is placed again whenever another one ran on the allocator since.
+A program is one graph. The programs share one allocator per `GraphRunner`, so the memory of a step's intermediates
+is that of the largest program; a program's nodes are placed again whenever another one ran on the allocator since.
 
 Shapes here are ggml's (ne0 first: ne0 is the contiguous dimension).
 """
@@ -16,7 +14,7 @@ Shapes here are ggml's (ne0 first: ne0 is the contiguous dimension).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import ggml
@@ -26,7 +24,7 @@ import torch
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight, new_tensor, point_weight
 
-__all__ = ["GraphBuilder", "GraphProgram", "GraphRunner", "HostStage", "Segment", "Tensor"]
+__all__ = ["GraphBuilder", "GraphProgram", "GraphRunner", "Tensor"]
 
 Tensor = ggml.ggml_tensor_p  # a pointer to a tensor header in the builder's context
 
@@ -37,31 +35,18 @@ _TORCH_TYPES = {torch.float32: ggml.GGML_TYPE_F32, torch.float16: ggml.GGML_TYPE
 
 
 @dataclass(eq=False)
-class Segment:
-    """One ggml graph of a program, and the nodes the allocator places (set to NULL before it places them again)."""
+class GraphProgram:
+    """A step's ggml graph, the nodes the allocator places (set to NULL before it places them again), and the
+    context and buffers they point into."""
 
+    ctx: int
     graph: ggml.ggml_cgraph_p
-    owned: list[ggml.ggml_tensor] = field(default_factory=list)
+    owned: list[ggml.ggml_tensor]
+    keep: list[object]  # every buffer and weight a leaf points at: alive as long as the program
     address: int = field(init=False)  # the graph's address, for the raw compute call
 
     def __post_init__(self) -> None:
         self.address = ctypes.cast(self.graph, ctypes.c_void_p).value or 0
-
-
-@dataclass(eq=False)
-class HostStage:
-    """Work done on the host between two segments (it reads and writes the program's buffers)."""
-
-    run: Callable[[], None]
-
-
-@dataclass(eq=False)
-class GraphProgram:
-    """A step's graphs and host stages, in order, with the context and buffers they point into."""
-
-    ctx: int
-    stages: list[Segment | HostStage]
-    keep: list[object]  # every buffer and weight a leaf points at: alive as long as the program
 
     def __del__(self) -> None:
         try:  # interpreter shutdown may have torn ggml down already
@@ -76,22 +61,18 @@ class GraphRunner:
     def __init__(self, kernels: CPUKernels) -> None:
         self.kernels = kernels
         self._allocator = kernels.new_graph_allocator()
-        self._placed: Segment | None = None  # the segment whose nodes the allocator's buffer holds now
+        self._placed: GraphProgram | None = None  # the program whose nodes the allocator's buffer holds now
 
     def run(self, program: GraphProgram) -> None:
-        for stage in program.stages:
-            if isinstance(stage, HostStage):
-                stage.run()
-                continue
-            if self._placed is not stage:
-                for tensor in stage.owned:
-                    tensor.data = None
-                    tensor.buffer = None
-                if not ggml.ggml_gallocr_alloc_graph(self._allocator, stage.graph):
-                    self._placed = None
-                    raise MemoryError("ggml_gallocr_alloc_graph failed")
-                self._placed = stage
-            self.kernels.compute_graph(stage.address)
+        if self._placed is not program:
+            for tensor in program.owned:
+                tensor.data = None
+                tensor.buffer = None
+            if not ggml.ggml_gallocr_alloc_graph(self._allocator, program.graph):
+                self._placed = None
+                raise MemoryError("ggml_gallocr_alloc_graph failed")
+            self._placed = program
+        self.kernels.compute_graph(program.address)
 
     def close(self) -> None:
         if self._allocator is not None:
@@ -108,22 +89,21 @@ class GraphRunner:
 
 class GraphBuilder:
     """Describes a program: leaves on existing memory, nodes by ggml's ops (through `ops`, the ggml module, called
-    with `ctx`), segments cut where host work must run. `finish` returns the program."""
+    with `ctx`). `finish` returns the program."""
 
-    def __init__(self, n_tensors: int, n_segments: int = 1) -> None:
-        # A segment's graph holds at most every tensor of the context, as nodes or as leafs: sized by the program
-        # (a fixed size was outgrown by a 48-layer model's prompt of 1024 rows, and ggml aborts the process then)
-        self._graph_size = n_tensors
-        mem = ggml.ggml_tensor_overhead() * n_tensors
-        mem += (n_segments + 1) * ggml.ggml_graph_overhead_custom(n_tensors, False) + (1 << 16)
+    def __init__(self, n_tensors: int) -> None:
+        # The graph holds at most every tensor of the context, as nodes or as leafs: sized by the program (a fixed
+        # size was outgrown by a 48-layer model's prompt of 1024 rows, and ggml aborts the process then)
+        mem = ggml.ggml_tensor_overhead() * n_tensors + ggml.ggml_graph_overhead_custom(n_tensors, False) + (1 << 16)
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
-        self._stages: list[Segment | HostStage] = []
         self._keep: list[object] = []
         self._weights: dict[int, Tensor] = {}
-        self._scratch: list[ggml.ggml_tensor] = []  # the current segment's tensors of no op that the allocator places
-        self._graph = self._new_graph()
+        self._scratch: list[ggml.ggml_tensor] = []  # tensors of no op that the allocator places
+        self._graph = ggml.ggml_new_graph_custom(self.ctx, n_tensors, False)
+        if not self._graph:
+            raise MemoryError("ggml_new_graph_custom failed")
 
     # -- leaves ---------------------------------------------------------------------------------------
     def leaf(self, gtype: int, ne: Sequence[int], ptr: int, keep: object = None) -> Tensor:
@@ -163,16 +143,15 @@ class GraphBuilder:
         return tensor
 
     def scratch(self, gtype: int, ne: Sequence[int]) -> Tensor:
-        """A tensor of the current segment that nodes write into (through views) and read: placed by the allocator
-        like a node's result."""
+        """A tensor that nodes write into (through views) and read: placed by the allocator like a node's result."""
         tensor = _new(self.ctx, gtype, ne)
         self._scratch.append(tensor.contents)
         return tensor
 
-    # -- nodes and segments ---------------------------------------------------------------------------
+    # -- nodes --------------------------------------------------------------------------------------------
     def expand(self, tensor: Tensor) -> None:
-        """Add `tensor` and what it depends on to the current segment now (stores into the cache must come before
-        the nodes that read the cache, which do not depend on them)."""
+        """Add `tensor` and what it depends on to the graph now (stores into the cache must come before the nodes
+        that read the cache, which do not depend on them)."""
         ggml.ggml_build_forward_expand(self._graph, tensor)
 
     def output(self, tensor: Tensor, t: torch.Tensor) -> None:
@@ -183,34 +162,13 @@ class GraphBuilder:
         self._keep.append(t)
         self.expand(tensor)
 
-    def cut(self, host: Callable[[], None]) -> None:
-        """End the current segment (its outputs in buffers of the program's: `output`), run `host` after it, and
-        start the next segment (whose leaves read those buffers)."""
-        self._end_segment()
-        self._stages.append(HostStage(host))
-        self._graph = self._new_graph()
-
     def finish(self) -> GraphProgram:
-        self._end_segment()
-        program = GraphProgram(self.ctx, self._stages, self._keep)
+        graph = self._graph
+        nodes = [ggml.ggml_graph_node(graph, i).contents for i in range(ggml.ggml_graph_n_nodes(graph))]
+        owned = [node for node in nodes if not node.data]  # set now: leaves, outputs, views of those
+        program = GraphProgram(self.ctx, graph, owned + self._scratch, self._keep)
         self.ctx = 0
         return program
-
-    def _new_graph(self) -> ggml.ggml_cgraph_p:
-        graph = ggml.ggml_new_graph_custom(self.ctx, self._graph_size, False)
-        if not graph:
-            raise MemoryError("ggml_new_graph_custom failed")
-        return graph
-
-    def _end_segment(self) -> None:
-        graph = self._graph
-        n = ggml.ggml_graph_n_nodes(graph)
-        if n == 0:
-            return
-        nodes = [ggml.ggml_graph_node(graph, i).contents for i in range(n)]
-        owned = [node for node in nodes if not node.data]  # set now: leaves, outputs, views of those
-        self._stages.append(Segment(graph, owned + self._scratch))
-        self._scratch = []
 
     def __del__(self) -> None:
         if getattr(self, "ctx", 0):  # not finished (an error while building)
