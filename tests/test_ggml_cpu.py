@@ -403,3 +403,15 @@ def test_attention_graph_matches_the_emulation(
         assert torch.equal(attend(q, keys, values, position, shape, sinks), emulated), n_keys
         if with_sinks:  # the sinks take part: without them the values differ
             assert not torch.equal(attend(q, keys, values, position, shape), emulated)
+
+
+def test_an_older_ggml_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ggml-python's own ggml (0.15.3) lacks llama.cpp's tiled K-quant kernel: its products would not be llama.cpp's,
+    so CPU kernels refuse to start on it, naming the script that builds the right one; this build is accepted."""
+    from tandem.errors import InstallationError
+
+    assert tuple(int(p) for p in ggml.ggml_version().decode().split(".")[:2]) >= gcpu.GGML_MIN_VERSION
+    monkeypatch.setattr(gcpu.ggml, "ggml_version", lambda: b"0.15.3")
+    with pytest.raises(InstallationError, match=r"ggml 0\.15\.3.*scripts/build_ggml_python\.sh") as refused:
+        CPUKernels(1)
+    assert "\n" not in str(refused.value)
