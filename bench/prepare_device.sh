@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run HERE (the dev machine, which has the network) before a device call of bench/device_compare.sh.
 # The GPU machine fetches nothing and receives only the repo, so stage in the repo's ignored folders:
-#   .peers/llama_cpp_python-0.3.36-trim.tar.xz  llama.cpp's source, built there with CUDA for sm_90
+#   .peers/llama_cpp_python-0.3.36-trim.tar.xz  llama.cpp's source, built there with CUDA for sm_90; its ggml is
+#                                               also the one ggml-python is built around (build_ggml_python.sh)
 #   .whl/gguf-0.19.0-py3-none-any.whl           tandem's GGUF reader/writer (not on the device image)
 #   .whl/diskcache-5.6.3-py3-none-any.whl       llama_cpp imports it (not on the device image)
-#   .whl/ggml_python-0.0.45.tar.gz              ggml's CPU kernels for tandem: a source build, made there
+#   .whl/ggml_python-0.0.45.tar.gz              the bindings to ggml's CPU kernels for tandem: built there
 #   .whl/transformers-5.23.0-py3-none-any.whl   the GPU tests build tiny models with it (the image has 5.17,
 #                                               which lacks the Qwen3.5-MoE and Gemma 4 config classes)
 #   .whl/{fastapi,starlette,uvicorn,pydantic,pydantic_core,annotated_types,typing_inspection,

@@ -37,7 +37,7 @@ class Experts(Protocol):
 @dataclass
 class GGMLLinear:
     """A CPU linear on quantized blocks through ggml's kernels: the weight in the mmap, or as llama.cpp's CPU
-    backend holds it when the loader prepared it (`prepare_cpu_weight`: repacked copy, tiled Q6_K product)."""
+    backend holds it when the loader prepared it (`prepare_cpu_weight`: a repacked copy)."""
 
     weight: GGMLWeight
     kernels: CPUKernels

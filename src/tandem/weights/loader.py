@@ -265,7 +265,7 @@ class WeightLoader:
         if device.type == "cpu":
             self._record(info, info.data)
             weight = GGMLWeight(data=info.data, qtype=info.qtype, shape=info.shape)
-            if self.compute_device.type == "cpu" and not self.in_place:  # llama.cpp's CPU backend: repacked / tiled
+            if self.compute_device.type == "cpu" and not self.in_place:  # llama.cpp's CPU backend: repacked copies
                 prepared = prepare_cpu_weight(weight)
                 if prepared.repacked is not None and prepared.repacked.kind == "AMX":
                     self._amx_bytes += prepared.repacked.nbytes
