@@ -1,5 +1,5 @@
 """The CPU step as ggml graphs: a whole step of a decoder model (every sequence of the batch) computed by one ggml
-graph, or a few, instead of layer by layer through torch and small ggml calls (models/decoder.py).
+graph instead of layer by layer through torch and small ggml calls (models/decoder.py).
 
 `StepGraph.create(model, pool)` gives the runner a callable from a `StepBatch` to the step's logits, or None where
 the graphs do not cover the model (`coverage.unsupported`) or are switched off: `TANDEM_CPU_GRAPH=0` (for

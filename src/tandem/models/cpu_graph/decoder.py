@@ -162,8 +162,8 @@ class _StepBuilder:
         if isinstance(ffn, ParallelFFN):  # dense(x) + routed(x), each normed after, as add_normed sums them
             dense = ffn.dense
             assert isinstance(dense, NormedFFN) and isinstance(dense.ffn, GatedMLP)
-            h = self._maybe_norm(self._mlp(dense.ffn, self._maybe_norm(x, dense.pre_norm, dense.eps)), dense.post_norm,
-                                 dense.eps)
+            h = self._mlp(dense.ffn, self._maybe_norm(x, dense.pre_norm, dense.eps))
+            h = self._maybe_norm(h, dense.post_norm, dense.eps)
             sparse = ffn.sparse
             routed = self._moe(sparse, x, self._maybe_norm(x, sparse.expert_norm, sparse.eps))
             h = ggml.ggml_add(ctx, h, self._maybe_norm(routed, sparse.post_norm, sparse.eps))
