@@ -49,6 +49,13 @@ if [[ $own == 0 ]]; then
   rm -rf "$src/vendor/ggml"
   mv "$work"/llama_cpp_python-*/vendor/llama.cpp/ggml "$src/vendor/ggml"
 fi
+# A native build on a CPU with AVX512-FP16 would sum f16 products in f16 lanes (ggml's simd mappings), rounding
+# CPU attention scores to f16; llama.cpp's portable builds sum them in float32, and so must tandem's
+# (quant/ggml_cpu.py `require_ggml` checks it).
+if echo 'int main(void) { return 0; }' | "${CC:-cc}" -mno-avx512fp16 -x c - -o /dev/null 2>/dev/null; then
+  sed -i 's/list(APPEND ARCH_FLAGS -march=native)/list(APPEND ARCH_FLAGS -march=native -mno-avx512fp16)/' \
+    "$src/vendor/ggml/src/ggml-cpu/CMakeLists.txt"
+fi
 args=(--no-deps --no-compile --force-reinstall)
 [[ -n "$target" ]] && args+=(--no-index --no-build-isolation --upgrade --target "$target")
 CMAKE_ARGS="-DGGML_LLAMAFILE=ON ${CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)} \

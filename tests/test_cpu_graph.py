@@ -251,12 +251,12 @@ def test_graphs_multiply_the_experts_the_loader_holds(synth_qwen3moe: Path, repa
 def test_a_long_prompt_step_builds_past_a_fixed_graph_size(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     """A prompt step's graph grows with its blocks of query rows: a 48-layer Qwen3-30B-A3B at -b 1024 needed ~13,000
     nodes, past the 8,192 that a step's graph held before (ggml aborts the process there). Built, not run: the
-    tiny model with a prompt of 20,000 rows needs as many."""
+    tiny model with a prompt of 30,000 rows needs as many."""
     from tandem.models.cpu_graph import decoder, step
 
-    with tandem.LLM(Path(tiny_qwen3moe_gguf[1]), device="cpu", n_ctx=20_480, threads=2, n_batch=20_000) as llm:
+    with tandem.LLM(Path(tiny_qwen3moe_gguf[1]), device="cpu", n_ctx=30_720, threads=2, n_batch=30_000) as llm:
         graph = _graphs(llm)
-        key = step.step_key([(0, 0, [5] * 20_000)], step.layer_windows(llm.model))
+        key = step.step_key([(0, 0, [5] * 30_000)], step.layer_windows(llm.model))
         program = decoder.build_step(llm.model, graph.caches, key, graph.experts)
         nodes = ggml.ggml_graph_n_nodes(program.program.graph)
     assert nodes > 8192, nodes

@@ -17,10 +17,10 @@ build (`_SIMD`: AVX-512's 16 float lanes, AVX2's 8; below for AVX-512):
   probabilities are the exponentials times the float 1/sum;
 - P.V: the probabilities are converted to f16 and summed over positions as in K.Q.
 
-Without softcap these run as ggml's own nodes on the CPU, for one query row (decoding) or many (prefill):
-`ggml_attention` (`mul_mat`, `soft_max_ext` with the sinks where the model has them, `mul_mat`, the same kernels as
-llama.cpp's graph); softcap, and head sizes whose sums ggml's float32 nodes round otherwise, are emulated in
-numpy/torch below (`_attend_ggml`).
+Without softcap these run as llama.cpp's own nodes on ggml, for one query row (decoding) or many (prefill):
+`ggml_attention` (`mul_mat` of the f16 keys, `soft_max_ext` with the sinks where the model has them, `mul_mat` of
+the f16 values transposed, as llama.cpp's cache holds them); softcap is emulated in numpy/torch below
+(`_attend_ggml`).
 
 These are last-place differences, but the attention output feeds the 8-bit quantization of the output
 projection's activations, where one unit in the last place can move a rounding by a whole step: matching
@@ -44,7 +44,7 @@ from tandem.layers.norm import rms_norm
 from tandem.layers.rope import Rope
 from tandem.quant.ggml_ops import ATTENTION_THREADED_FROM, ggml_attention
 from tandem.state.batch import RowSpans, StepBatch
-from tandem.state.kv_cache import KVPool, LayerKV
+from tandem.state.kv_cache import KV_PAD, KVPool, LayerKV
 
 # On a GPU, a prompt chunk of at most this many (query, key) pairs attends row by row (`_row_spans`).
 ROW_ATTENTION_PAIRS = 1 << 16
@@ -295,7 +295,8 @@ def attend(
     [S, G, D], those of positions first, first + 1, ...
 
     `sinks` [H]: one extra logit per head in the softmax denominator, attending to nothing. `cache`: the buffer
-    keys and values are (a prefix of), whose float32 copies the CPU attention reads (`LayerKV.float32_rows`)."""
+    keys and values are (a prefix of), whose rows and transposed values the CPU attention reads
+    (`LayerKV.attention_rows`)."""
     group = s.n_heads // s.n_kv_heads
     n_keys = keys.shape[0]
     # The queries are the last T of the keys' positions. From an empty cache without a window (a prompt that
@@ -305,8 +306,8 @@ def attend(
         return _sdpa(q, keys, values, None, s, group)
     allowed = _allowed(positions, first + torch.arange(n_keys, device=q.device), s.sliding_window)  # [T, S]
     if keys.dtype is torch.float16 and not q.is_cuda:
-        if s.softcap is None and _nodes_round_as_llamacpp(q.shape[0], s):
-            source = _float32_source(keys, values, first, cache)
+        if s.softcap is None:
+            source = _cache_source(keys, values, first, cache)
             return _attend_ggml_nodes(q, source, allowed.cpu().numpy(), s, sinks)
         return _attend_ggml(q, keys, values, allowed, s, sinks)
     return _masked_attention(q, keys, values, allowed, s, sinks)
@@ -411,7 +412,6 @@ def _simd_layout() -> _SimdLayout:
 
 
 _SIMD = _simd_layout()
-_KV_PAD = 64  # llama.cpp pads the KV view to this many positions: where its vector runs end and a scalar tail starts
 _CHUNK_ELEMENTS = 1 << 22  # bound on the [lanes, ...] partial-sum arrays (16 MiB)
 _SMALL = 1 << 16  # partial sums smaller than this are added in numpy, larger ones in torch
 _ROWS_PER_CHUNK = 128  # a prompt's query rows per ggml attention call: each chunk reads only the keys it sees
@@ -532,45 +532,36 @@ def query_scaling(s: AttentionShape) -> tuple[bool, np.float32]:
     return s.scale_queries, np.float32(1.0 if s.scale_queries else s.scale)
 
 
-def _float32_source(keys: torch.Tensor, values: torch.Tensor, first: int, cache: LayerKV | None) -> LayerKV:
-    """Where ggml's attention reads float32 keys and values: the copies the cache keeps when keys/values are
-    its buffer from position 0 (LayerKV.float32_rows), else copies made for this call alone."""
+def _cache_source(keys: torch.Tensor, values: torch.Tensor, first: int, cache: LayerKV | None) -> LayerKV:
+    """Where ggml's attention reads keys and transposed values: the cache when keys/values are its buffer from
+    position 0 (LayerKV.attention_rows), else a buffer of this call alone."""
     if cache is not None and cache.window is None and first == 0:
         return cache
     return LayerKV(k=keys, v=values)
 
 
-def _nodes_round_as_llamacpp(t: int, s: AttentionShape) -> bool:
-    """Whether ggml's float32 attention nodes sum as llama.cpp's f16 ones for t query rows of this shape: always
-    for one row; for several, where llama.cpp's products go through tinyBLAS (the summed dimension a multiple of
-    16, the other side's rows a multiple of 4). Elsewhere llama.cpp's several-row products use `ggml_vec_dot_f16`,
-    whose tail sums in double where the float32 one sums in float (`_attend_ggml` emulates it; head sizes that are
-    not multiples of 16 can differ, docs/reports/NOTES-FROM-CODE.md)."""
-    return t == 1 or (s.head_dim % _SIMD.lanes == 0 and s.value_dim % 4 == 0)
-
-
 def _attend_ggml_nodes(
     q: torch.Tensor, kv: LayerKV, allowed: np.ndarray, s: AttentionShape, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """With an f16 cache on the CPU (no softcap): ggml's own attention nodes over q [T, H, D], which round as
-    `_attend_ggml` does, in a fraction of its time -> [T, H, Dv]. `allowed` [T, N]: which of the first N
+    """With an f16 cache on the CPU (no softcap): llama.cpp's attention nodes on ggml over q [T, H, D], which
+    round as `_attend_ggml` does, in a fraction of its time -> [T, H, Dv]. `allowed` [T, N]: which of the first N
     positions of `kv` each query row sees; `sinks` [H]: the heads' sink logits, or None.
 
-    Keys and values are padded to a multiple of 64 positions (masked), as llama.cpp's padded KV view: the
+    Keys and values are padded to a multiple of KV_PAD positions (masked), as llama.cpp's padded KV view: the
     padding decides where ggml's dot products and softmax switch from vector runs to a scalar tail. ggml reads
-    the first N positions of `kv` in float32, from the copies it keeps (LayerKV.float32_rows). Rows go through
-    in chunks that bound the scores' memory, each over the keys its rows see, cut at multiples of 64 positions
-    (as `_attend_ggml`): the keys left out before and after have probability 0 and would only add zeros, in the
-    same lanes, to every sum (a sliding window's layer reads its window, a prompt's first rows their prefix)."""
+    the f16 rows and the transposed values of `kv` (LayerKV.attention_rows). Rows go through in chunks that bound
+    the scores' memory, each over the keys its rows see, cut at multiples of KV_PAD positions (as `_attend_ggml`):
+    the keys left out before and after have probability 0 and would only add zeros, in the same lanes, to every
+    sum (a sliding window's layer reads its window, a prompt's first rows their prefix)."""
     t, n_keys = allowed.shape
-    padded = -(-n_keys // _KV_PAD) * _KV_PAD
+    padded = -(-n_keys // KV_PAD) * KV_PAD
     scale_queries, kq_scale = query_scaling(s)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
         q32 = q32 * np.float32(s.scale)
-    q16 = q32.astype(np.float16).astype(np.float32).transpose(1, 0, 2)  # [H, T, D]
-    k, vt = kv.float32_rows(n_keys, padded)  # values transposed: the sums over positions run along rows
-    k32, vt32 = k.numpy(), vt.numpy()
+    q32 = q32.transpose(1, 0, 2)  # [H, T, D]: ggml's product converts it to f16, as llama.cpp's does
+    k, vt = kv.attention_rows(n_keys, padded)
+    k16, vt16 = k.numpy(), vt.numpy()
     mask = np.full((t, padded), -np.inf, dtype=np.float32)
     mask[:, :n_keys][allowed] = 0.0
     rows = max(1, min(_ROWS_PER_CHUNK, _CHUNK_ELEMENTS // (s.n_heads * padded)))
@@ -578,10 +569,10 @@ def _attend_ggml_nodes(
     outs = []
     for r0 in range(0, t, rows):
         seen = np.flatnonzero(allowed[r0 : r0 + rows].any(0))  # a row sees at least its own position
-        lo, hi = int(seen[0]) // _KV_PAD * _KV_PAD, -(-(int(seen[-1]) + 1) // _KV_PAD) * _KV_PAD
+        lo, hi = int(seen[0]) // KV_PAD * KV_PAD, -(-(int(seen[-1]) + 1) // KV_PAD) * KV_PAD
         n_rows = min(rows, t - r0)
         threads = torch.get_num_threads() if (hi - lo) * n_rows >= ATTENTION_THREADED_FROM else 1
-        outs.append(ggml_attention(np.ascontiguousarray(q16[:, r0 : r0 + rows]), k32[lo:hi], vt32[..., lo:hi],
+        outs.append(ggml_attention(np.ascontiguousarray(q32[:, r0 : r0 + rows]), k16[lo:hi], vt16[..., lo:hi],
                                    np.ascontiguousarray(mask[r0 : r0 + rows, lo:hi]), float(kq_scale), threads,
                                    sink))  # fmt: skip
     out = torch.from_numpy(np.concatenate(outs, axis=1)).transpose(0, 1)  # [T, H, Dv]
@@ -605,7 +596,7 @@ def _attend_ggml(
     kq_lanes = _SIMD.step if t == 1 or d % _SIMD.lanes else _SIMD.lanes
     pv_lanes = _SIMD.step if t == 1 or s.value_dim % 4 else _SIMD.lanes
     kq_full = d - d % kq_lanes  # ggml_vec_dot_f16 adds the products past it one by one, in double
-    padded = -(-n_keys // _KV_PAD) * _KV_PAD  # positions past the cache's are masked (probability 0)
+    padded = -(-n_keys // KV_PAD) * KV_PAD  # positions past the cache's are masked (probability 0)
     scale_queries, score_scale = query_scaling(s)
     q32 = q.detach().float().cpu().numpy()
     if scale_queries:
@@ -627,7 +618,7 @@ def _attend_ggml(
         # keys that no row of this chunk sees are left out, in whole steps: their probabilities are 0,
         # so they would only add zeros to the sums
         seen = np.flatnonzero(allow[r0:r1].any(0))
-        width = -(-(int(seen[-1]) + 1 if len(seen) else 1) // _KV_PAD) * _KV_PAD
+        width = -(-(int(seen[-1]) + 1 if len(seen) else 1) // KV_PAD) * KV_PAD
         n = min(width, n_keys)
         q_rows = qg[:, :, r0:r1]
         k_rows = kh[:n].transpose(1, 0, 2)  # [G, n, D]

@@ -19,12 +19,14 @@ rows or more among others), so that the products are llama.cpp's to the bit.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ggml
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -159,13 +161,44 @@ GGML_MIN_VERSION = (0, 25)
 
 
 def require_ggml() -> None:
-    """Raise InstallationError unless the loaded ggml library is at least GGML_MIN_VERSION."""
+    """Raise InstallationError unless the loaded ggml library is at least GGML_MIN_VERSION and sums f16 products in
+    float32, as llama.cpp's portable builds do (CPU attention reads the f16 cache through them)."""
     version = ggml.ggml_version().decode()
     if tuple(int(part) for part in version.split(".")[:2]) < GGML_MIN_VERSION:
         raise InstallationError(
             f"ggml-python runs ggml {version}; tandem needs ggml >= {'.'.join(map(str, GGML_MIN_VERSION))}, the one "
             "llama.cpp runs: install ggml-python with scripts/build_ggml_python.sh (`make` does)"
         )
+    if not _f16_products_sum_in_float32():
+        raise InstallationError(
+            "ggml-python's ggml sums f16 products in f16 (built natively for a CPU with AVX512-FP16), which rounds "
+            "attention scores to f16: install ggml-python with scripts/build_ggml_python.sh (`make` does)"
+        )
+
+
+@functools.cache
+def _f16_products_sum_in_float32() -> bool:
+    """Whether a decode step's f16 product (one query row over 64 keys) sums in float32: each key 2048 and 255
+    ones, where a sum kept in f16 lanes loses the ones added to 2048 (f16's spacing there is 2)."""
+    n, rows = 256, 64
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=1 << 20, mem_buffer=None, no_alloc=False))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    try:
+        a = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F16, n, rows)
+        b = ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, n, 1)
+        keys, query = np.ones((rows, n), dtype=np.float16), np.ones(n, dtype=np.float32)
+        keys[:, 0] = 2048
+        ctypes.memmove(ggml.ggml_get_data(a), keys.ctypes.data, keys.nbytes)
+        ctypes.memmove(ggml.ggml_get_data(b), query.ctypes.data, query.nbytes)
+        out = ggml.ggml_mul_mat(ctx, a, b)
+        graph = ggml.ggml_new_graph(ctx)
+        ggml.ggml_build_forward_expand(graph, out)
+        ggml.ggml_graph_compute_with_ctx(ctx, graph, 1)
+        scores = np.ctypeslib.as_array(ctypes.cast(ggml.ggml_get_data(out), ctypes.POINTER(ctypes.c_float)), (rows,))
+        return bool((scores == 2048 + n - 1).all())
+    finally:
+        ggml.ggml_free(ctx)
 
 
 class CPUKernels:

@@ -150,19 +150,15 @@ def _build_attention(
     h: int, g: int, d: int, dv: int, n: int, t: int, kq_scale: float, n_threads: int, sinks: bool
 ) -> _OpGraph:
     """mul_mat(k, q) -> soft_max_ext(mask, kq_scale) (with `sinks`: soft_max_add_sinks, one logit per head in the
-    denominator) -> mul_mat(v^T, kq) for t query rows, the nodes of llama.cpp's attention without flash attention;
-    the inputs' memory is the caller's, the rest the compute context's.
-
-    Its f16 products run as float32 ones on exact conversions (the caller's keys and values, the query and
-    the probabilities rounded to f16 first): this ggml build's f16 `mul_mat` returns scores at f16 precision
-    on an AVX512-FP16 CPU, where llama.cpp's sums in float32 with the lanes and reduction of
-    `ggml_vec_dot_f32` (one row) or tinyBLAS (several; exact products, so its fused multiply-adds are the same
-    additions)."""
-    inputs_ctx, ctx = _contexts(5, 4 * (4 * n * t * h + dv * t * h))
-    f32 = ggml.GGML_TYPE_F32
+    denominator) -> mul_mat(v^T, kq) for t query rows, the nodes of llama.cpp's attention without flash attention
+    over its f16 cache: each product converts its float32 side (the queries, the probabilities) to f16 and sums
+    exact products in float32 (tandem's ggml is built without AVX512-FP16 arithmetic: scripts/build_ggml_python.sh);
+    the inputs' memory is the caller's, the rest the compute context's."""
+    inputs_ctx, ctx = _contexts(5, 4 * (2 * n * t * h + dv * t * h))  # the scores, the probabilities, the output
+    f32, f16 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16
     q = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, t, h)
-    k = ggml.ggml_new_tensor_3d(inputs_ctx, f32, d, n, g)
-    vt = ggml.ggml_new_tensor_3d(inputs_ctx, f32, n, dv, g)
+    k = ggml.ggml_new_tensor_3d(inputs_ctx, f16, d, n, g)
+    vt = ggml.ggml_new_tensor_3d(inputs_ctx, f16, n, dv, g)
     mask = ggml.ggml_new_tensor_2d(inputs_ctx, f32, n, t)
     kq = ggml.ggml_soft_max_ext(ctx, ggml.ggml_mul_mat(ctx, k, q), mask, kq_scale, 0.0)  # [N, T, H]
     inputs = [q, k, vt, mask]
@@ -170,14 +166,12 @@ def _build_attention(
         sink = ggml.ggml_new_tensor_1d(inputs_ctx, f32, h)
         ggml.ggml_soft_max_add_sinks(kq, sink)
         inputs.append(sink)
-    kq = ggml.ggml_cast(ctx, ggml.ggml_cast(ctx, kq, ggml.GGML_TYPE_F16), f32)
     out = ggml.ggml_mul_mat(ctx, vt, kq)  # [Dv, T, H]
     return _OpGraph.finish((inputs_ctx, ctx), inputs, out, (h, t, dv), n_threads)
 
 
 def _set_strides(tensor: ggml.ggml_tensor, nb1: int, nb2: int) -> None:
-    """A 3-d float32 tensor's byte strides (its rows contiguous), the 4th following from the 3rd."""
-    assert tensor.nb[0] == 4, "rows must be contiguous"
+    """A 3-d tensor's byte strides (its rows contiguous), the 4th following from the 3rd."""
     tensor.nb[1], tensor.nb[2] = nb1, nb2
     tensor.nb[3] = nb2 * tensor.ne[2]
 
@@ -191,21 +185,21 @@ def ggml_attention(
     n_threads: int = 1,
     sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Query rows' attention on ggml's CPU backend, as llama.cpp computes it without flash attention: its
-    `soft_max_ext` kernel, and its f16 `mul_mat` sums (queries and probabilities rounded to f16) in the lanes
-    and order llama.cpp's build uses (see `_build_attention`).
+    """Query rows' attention on ggml's CPU backend, as llama.cpp computes it without flash attention: the same
+    nodes over the same f16 cache (`_build_attention`).
 
-    q: [H, T, D] (scaled first where the model scales the queries), k: [N, G, D] and vt: [G, Dv, N], all float32
-    holding f16 values; mask: [T, N] float32 (0 or -inf). q and mask C-contiguous; k and vt may be views with
-    strides of their own (a longer buffer's first N positions), their last axis contiguous. Query head h reads
-    KV head h // (H / G). sinks: [H] float32 (or None), each head's extra logit in the softmax's denominator
-    (gpt-oss), as llama.cpp adds them to the same kernel. n_threads: ggml's threads; each output is one thread's
-    sum, so the values do not depend on it. One row's graph (decoding) is kept for the next call; several rows'
-    graphs (prefill, whose key count grows) are freed after it.
+    q: [H, T, D] float32 (scaled first where the model scales the queries; ggml's product converts it to f16),
+    k: [N, G, D] and vt: [G, Dv, N] float16; mask: [T, N] float32 (0 or -inf). q and mask C-contiguous; k and vt
+    may be views with strides of their own (a longer buffer's first N positions), their last axis contiguous.
+    Query head h reads KV head h // (H / G). sinks: [H] float32 (or None), each head's extra logit in the
+    softmax's denominator (gpt-oss), as llama.cpp adds them to the same kernel. n_threads: ggml's threads; each
+    output is one thread's sum, so the values do not depend on it. One row's graph (decoding) is kept for the
+    next call; several rows' graphs (prefill, whose key count grows) are freed after it.
     Returns [H, T, Dv] float32 (a fresh array)."""
     h, t, d = q.shape
     n, g, _ = k.shape
     dv = vt.shape[1]
+    assert k.dtype == vt.dtype == np.float16 and k.strides[2] == vt.strides[2] == 2, "f16 rows, contiguous"
     key = ("attention", h, g, d, dv, n, t, float(kq_scale), n_threads, sinks is not None)
 
     def build() -> _OpGraph:

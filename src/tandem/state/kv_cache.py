@@ -12,6 +12,9 @@ import torch
 from tandem.errors import TandemError
 
 CACHE_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# ggml's attention on the CPU reads keys in runs of this many positions, as llama.cpp pads its KV view: the padding
+# decides where ggml's vector runs end and a scalar tail starts (layers/attention.py)
+KV_PAD = 64
 
 
 class ContextFullError(TandemError):
@@ -35,17 +38,17 @@ class LayerKV:
     k: torch.Tensor
     v: torch.Tensor
     window: int | None = None  # a ring's sliding window (None: a full buffer)
-    # float32 copies for ggml's attention on the CPU (`float32_rows`): keys [C, H_kv, D], values
-    # transposed [H_kv, Dv, C], positions [0, _f32_valid) up to date
-    _f32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
-    _f32_valid: int = field(default=0, init=False, repr=False)
+    # the values transposed [H_kv, Dv, C] in the cache's dtype, for ggml's attention on the CPU (`attention_rows`):
+    # positions [0, _vt_valid) up to date
+    _vt: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _vt_valid: int = field(default=0, init=False, repr=False)
 
     @property
     def rows(self) -> int:
         return self.k.shape[0]
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + (sum(t.nbytes for t in self._f32) if self._f32 is not None else 0)
+        return self.k.nbytes + self.v.nbytes + (self._vt.nbytes if self._vt is not None else 0)
 
     def can_truncate(self, length: int, to: int) -> bool:
         """Whether a cache holding positions [0, length) still holds what a sequence cut to `to` attends to."""
@@ -59,7 +62,7 @@ class LayerKV:
         if self.window is None:
             self.k[start:end] = k.to(self.k.dtype)
             self.v[start:end] = v.to(self.v.dtype)
-            self._f32_valid = min(self._f32_valid, start)
+            self._vt_valid = min(self._vt_valid, start)
             return self.k[:end], self.v[:end], 0
         room = self.rows - self.window + 1
         if k.shape[0] > room:
@@ -72,41 +75,50 @@ class LayerKV:
         held = torch.arange(first, end, device=device) % self.rows
         return self.k.index_select(0, held), self.v.index_select(0, held), first
 
-    def share_float32(self, k32: torch.Tensor, vt32: torch.Tensor) -> None:
-        """Keep the float32 copies in k32 [C, H_kv, D] and vt32 [H_kv, Dv, C] (views of a pool-wide pair that the CPU
-        step graph writes along with the f16 rows: tandem.models.cpu_graph), C at least the rows of any padded read.
-        They are refilled from the f16 rows on their first read here, so whoever wrote them last, they stay right."""
-        assert self.window is None and k32.shape[1:] == self.k.shape[1:] and vt32.shape[:2] == self.v.shape[1:]
-        self._f32 = (k32, vt32)
-        self._f32_valid = 0
+    def share_transposed(self, vt: torch.Tensor) -> None:
+        """Keep the transposed values in vt [H_kv, Dv, C] (a view of a pool-wide tensor that the CPU step graph
+        writes along with the rows: tandem.models.cpu_graph), C at least the rows of any padded read. They are
+        refilled from the rows on their first read here, so whoever wrote them last, they stay right."""
+        assert self.window is None and vt.shape[:2] == self.v.shape[1:] and vt.dtype == self.v.dtype
+        self._vt = vt
+        self._vt_valid = 0
 
-    def float32_rows(self, end: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [0, padded) of a full buffer in float32, keys [padded, H_kv, D] and values transposed
-        [H_kv, Dv, padded] (views), for ggml's attention on the CPU (layers/attention.py). Only the
-        positions written since the last call, below `end`, are copied: each step then copies one row instead of
-        the whole cache, which at long contexts cost a third of a CPU token. Rows from
-        `end` on hold zeros or stale finite values, which the caller masks."""
+    def attention_rows(self, end: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, padded) of a full buffer as ggml's attention on the CPU reads them (layers/attention.py),
+        in the cache's dtype: keys [padded, H_kv, D] (the rows themselves) and values transposed
+        [H_kv, Dv, padded], as llama.cpp's cache holds them for attention without flash attention. Only the values
+        written since the last call, below `end`, are transposed again: one row per decode step, not the whole
+        cache. Positions from `end` on hold zeros or stale finite values, which the caller masks."""
         assert self.window is None and end <= padded
-        size = self._f32[0].shape[0] if self._f32 is not None else 0
+        size = self._vt.shape[-1] if self._vt is not None else 0
         if padded > size:  # grow by doubling (a copy of what is valid): host RAM follows the sequence
-            new = max(padded, 2 * size)
-            k32 = torch.zeros(new, *self.k.shape[1:], dtype=torch.float32)
-            vt32 = torch.zeros(self.v.shape[1], self.v.shape[2], new, dtype=torch.float32)
-            if self._f32 is not None:
-                k32[:size], vt32[..., :size] = self._f32
-            self._f32 = (k32, vt32)
-        k32, vt32 = self._f32
-        valid = min(self._f32_valid, end)
-        k32[valid:end] = self.k[valid:end]
-        vt32[..., valid:end] = self.v[valid:end].permute(1, 2, 0)
-        self._f32_valid = end
-        return k32[:padded], vt32[..., :padded]
+            vt = self.v.new_zeros(*self.v.shape[1:], max(padded, 2 * size))
+            if self._vt is not None:
+                vt[..., :size] = self._vt
+            self._vt = vt
+        valid = min(self._vt_valid, end)
+        self._vt[..., valid:end] = self.v[valid:end].permute(1, 2, 0)
+        self._vt_valid = end
+        return _first_rows(self.k, padded), self._vt[..., :padded]
+
+
+def _first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t's first n rows; past its end (a padded read), the memory after it where its storage has it (a pool's
+    next slot or its tail: finite values that the reader masks), else zeros in a copy."""
+    if n <= t.shape[0]:
+        return t[:n]
+    room = (t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()) // t.stride(0)
+    if room >= n and t.is_contiguous():
+        return t.as_strided((n, *t.shape[1:]), t.stride())
+    padded = t.new_zeros(n, *t.shape[1:])
+    padded[: t.shape[0]] = t
+    return padded
 
 
 @dataclass
 class KVPool:
     """One layer's K/V of every slot: [N, R, H_kv, D] each (N slots), and each slot's `LayerKV` (views of its
-    rows, with its own float32 copies for the CPU attention). A decode step on a GPU writes and reads the pool
+    rows, with its values transposed for the CPU attention). A decode step on a GPU writes and reads the pool
     by slot and position, device tensors only, so that it can be captured as a CUDA graph; every other step
     works on the slots' views one sequence at a time."""
 
@@ -132,8 +144,14 @@ class KVPool:
         is fewer."""
         rows = n_ctx if window is None else min(n_ctx, window + n_batch - 1)
         ring = window if rows < n_ctx else None
-        k = torch.zeros(n_slots, rows, n_kv_heads, k_dim, dtype=dtype, device=device)
-        v = torch.zeros(n_slots, rows, n_kv_heads, v_dim, dtype=dtype, device=device)
+        # On the CPU KV_PAD rows after the last slot, so that ggml's padded reads of it stay in the buffer
+        tail = KV_PAD if ring is None and torch.device(device).type == "cpu" else 0
+
+        def buffer(dim: int) -> torch.Tensor:
+            flat = torch.zeros(n_slots * rows + tail, n_kv_heads, dim, dtype=dtype, device=device)
+            return flat[: n_slots * rows].view(n_slots, rows, n_kv_heads, dim)
+
+        k, v = buffer(k_dim), buffer(v_dim)
         return cls(k, v, ring, [LayerKV(k=k[i], v=v[i], window=ring) for i in range(n_slots)])
 
     @property

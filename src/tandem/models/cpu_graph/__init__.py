@@ -49,7 +49,7 @@ class StepGraph:
         self.kinds = attention_kinds(model)
         # per layer: an attention layer's cache as the graphs read it, or a delta-net's state pool as it is
         self.caches = [CacheCopies.of(layer) if isinstance(layer, KVPool) else layer for layer in pool.layers]
-        self._rows = next(((c.rows, c.rows32) for c in self.caches if isinstance(c, CacheCopies)), (0, 0))
+        self._rows = next(((c.rows, c.columns) for c in self.caches if isinstance(c, CacheCopies)), (0, 0))
         # per routed branch, keyed by its id: its experts as the layer path's ggml graph describes them
         self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)

@@ -19,9 +19,8 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MoE, NormedSoftmaxTopKRouter, SoftmaxTopKRouter, TopKSoftmaxRouter
 from tandem.layers.shared_expert import MoEWithSharedExpert
 from tandem.models.blocks import Block
-from tandem.models.cpu_graph.step import KV_PAD
 from tandem.models.decoder import DecoderModel
-from tandem.state.kv_cache import KVPool
+from tandem.state.kv_cache import KV_PAD, KVPool
 from tandem.state.pool import StatePool
 
 __all__ = ["CACHE_TYPES", "GELU_TANH", "GLU_OPS", "routed_branches", "unsupported"]
@@ -29,9 +28,9 @@ __all__ = ["CACHE_TYPES", "GELU_TANH", "GLU_OPS", "routed_branches", "unsupporte
 # ggml's gated units for the MLP's activation (layers/activations.py: the values of the layer path's)
 GLU_OPS = {ACTIVATIONS["gelu_tanh_ggml"]: ggml.ggml_geglu_split, ACTIVATIONS["silu"]: ggml.ggml_swiglu_split}
 GELU_TANH = ACTIVATIONS["gelu_tanh"]  # the formula (float files): composed from ggml's ops
-# The cache types the graphs store into (the values rounded to them once, as the layer path stores them)
-CACHE_TYPES = {torch.float16: ggml.GGML_TYPE_F16, torch.bfloat16: ggml.GGML_TYPE_BF16,
-               torch.float32: ggml.GGML_TYPE_F32}  # fmt: skip
+# The cache types the graphs store into and read, as llama.cpp's nodes do. Not bf16: ggml's product would round
+# the queries to bf16, where the layer path keeps float32 products (layers/attention.py).
+CACHE_TYPES = {torch.float16: ggml.GGML_TYPE_F16, torch.float32: ggml.GGML_TYPE_F32}
 
 
 def unsupported(model: DecoderModel, pool: StatePool) -> str | None:
@@ -92,8 +91,6 @@ def _mixer_unsupported(m: object, pool: object) -> str | None:
         return f"a {pool.k.dtype} cache"
     if pool.k.shape[0] * (pool.k.shape[1] + KV_PAD) >= 2**31:
         return "more cache rows than int32 row numbers reach"
-    if pool.k.dtype is torch.float16 and (s.head_dim % 16 or s.value_dim % 4):
-        return f"head size {s.head_dim}/{s.value_dim} with an f16 cache (layers/attention.py emulates its sums)"
     return None
 
 

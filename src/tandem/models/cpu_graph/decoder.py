@@ -5,10 +5,10 @@ copies ggml repacks), the cache is the state pool's memory, and the program of e
 kept (`StepGraph`).
 
 The values are those of the layer-by-layer path (models/decoder.py), which are llama.cpp's on the bundled Gemma 3:
-every op the layers emulate in numpy/torch to round as ggml does is ggml's own op here; the attention over an f16
-cache runs on float32 copies of the f16 values (layers/attention.py `ggml_attention` says why), which the graph
-writes beside the f16 rows. As in llama.cpp, the last layer computes only the rows
-whose logits the step returns once its attention is done.
+every op the layers emulate in numpy/torch to round as ggml does is ggml's own op here; the attention reads the
+f16 keys where they lie and the values transposed beside them (`CacheCopies`), as llama.cpp's graph without flash
+attention does. As in llama.cpp, the last layer computes only the rows whose logits the step returns once its
+attention is done.
 
 Shapes in comments are ggml's, ne0 first: D = hidden, T = the step's rows, Hd = head size, H / G = query / KV
 heads, N = a sequence's rows, S = the keys it reads, F = the MLP's width, V = vocabulary, B = logit rows.
@@ -106,8 +106,7 @@ class _StepBuilder:
         self.inputs = StepInputs(
             ids=np.zeros(t, dtype=np.int32),
             positions=np.zeros(t, dtype=np.int32),
-            rows16=np.zeros(t, dtype=np.int32),  # get_rows takes int32 row numbers
-            rows32=np.zeros(t, dtype=np.int32),
+            rows=np.zeros(t, dtype=np.int32),  # set_rows takes int32 row numbers
             vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
             masks=[[] if group is not None and j in group.members else
                    [np.zeros((q.n, q.views[k][1]), dtype=np.float32) for k in range(len(windows))]
@@ -117,7 +116,7 @@ class _StepBuilder:
         )
         b, i = self.b, self.inputs
         self.ids, self.pos = b.array(i.ids), b.array(i.positions)
-        self.rows16, self.rows32 = b.array(i.rows16), b.array(i.rows32)
+        self.rows = b.array(i.rows)
         self.vt_index = {gd: b.array(a) for gd, a in i.vt_index.items()}
         self.masks = [[b.array(m) for m in masks] for masks in i.masks]
         self.logit_rows = None if i.logit_rows is None else b.array(i.logit_rows)
@@ -194,17 +193,16 @@ class _StepBuilder:
         return ggml.ggml_mul_mat(self.ctx, self.b.weight(linear.weight), x)
 
     # -- attention ----------------------------------------------------------------------------------------
-    def _cache_leaves(self, c: CacheCopies) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Leaves on the pool's f16 K and V rows [G*Hd, N*R], its float32 keys [G*Hd, N*C] and transposed values
-        (one value per row, [1, N*G*Dv*C]): what the stores write and the attention's views read."""
-        b, f32 = self.b, ggml.GGML_TYPE_F32
+    def _cache_leaves(self, c: CacheCopies) -> tuple[Tensor, Tensor, Tensor]:
+        """Leaves on the pool's K and V rows [G*Hd, N*R] and its transposed values (one value per row,
+        [1, N*G*Dv*C]): what the stores write and the attention's views read."""
+        b = self.b
         n, r, g, d = c.pool.k.shape
         dv = c.pool.v.shape[-1]
         gtype = CACHE_TYPES[c.pool.k.dtype]
         return (b.leaf(gtype, (g * d, n * r), c.pool.k.data_ptr(), c.pool.k),
                 b.leaf(gtype, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
-                b.leaf(f32, (g * d, n * c.rows32), c.k32.data_ptr(), c.k32),
-                b.leaf(f32, (1, c.vt32.numel()), c.vt32.data_ptr(), c.vt32))  # fmt: skip
+                b.leaf(gtype, (1, c.vt.numel()), c.vt.data_ptr(), c.vt))  # fmt: skip
 
     def _attention(self, i: int, m: Attention | GatedAttention, h: Tensor) -> Tensor:
         ctx, s, t = self.ctx, m.shape, self.key.n_tokens
@@ -225,7 +223,6 @@ class _StepBuilder:
         if getattr(m, "v_norm", False):  # per head, without a weight, as llama.cpp's ggml_rms_norm of the values
             v = ggml.ggml_reshape_2d(ctx, ggml.ggml_rms_norm(ctx, ggml.ggml_reshape_3d(ctx, v, dv, g, t), m.norm_eps),
                                      g * dv, t)  # fmt: skip
-        f16 = self.caches[i].pool.k.dtype is torch.float16  # round as llama.cpp's f16 products (attention.py)
         scale_queries, kq_scale = query_scaling(s)
         q_norm = m.q_norm
         if scale_queries and q_norm is not None and math.frexp(s.scale)[0] == 0.5:
@@ -247,23 +244,19 @@ class _StepBuilder:
             qs = ggml.ggml_view_3d(ctx, q, hd, nh, block.n, nb1, nb2, block.offset * nb2)  # the block's rows
             if scale_queries:
                 qs = ggml.ggml_scale(ctx, qs, s.scale)
+            # the permuted view itself, as llama.cpp multiplies it: the product picks its kernel by the operands'
+            # layout (an f16 cache's converts the queries to f16 first, an f32 cache's sums each q.k by itself)
             qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
-            # an f16 cache: rounded to f16 (contiguous), as llama.cpp's f16 product converts its queries; an f32
-            # cache: the permuted view itself, as llama.cpp multiplies it, so that ggml sums each q.k with its own
-            # dot product, not tinyBLAS (contiguous rows only), whose sums run in another order
-            qs = self._f16(qs) if f16 else qs
             first, n_keys = block.views[kind]
             keys, values_t = self._cache_views(i, slot, first, n_keys, 1, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
             kq = self._softmax(kq, self.masks[n_block][kind], kq_scale, sinks)
-            if f16:  # the probabilities too
-                kq = self._f16(kq)
             out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
             # [Dv, H, N]: for one row the same memory, else a permuted view
             out = ggml.ggml_reshape_3d(ctx, out, dv, nh, 1) if block.n == 1 else ggml.ggml_permute(ctx, out, 0, 2, 1, 3)
             parts.append((block.offset, block.n, out))
         if self.group is not None:  # its rows [Dv*H, members]: the step's when every sequence is a member
-            parts.append((-1, len(members), self._group_attention(i, q, kind, scale_queries, kq_scale, f16, sinks)))
+            parts.append((-1, len(members), self._group_attention(i, q, kind, scale_queries, kq_scale, sinks)))
         if len(parts) == 1 and parts[0][1] == t:  # one block, or the group, of every row
             offset, _, out = parts[0]
             if offset == 0 and t > 1:
@@ -283,7 +276,7 @@ class _StepBuilder:
         return self._linear(m.o, attn)  # [D, T]
 
     def _group_attention(
-        self, i: int, q: Tensor, kind: int, scale_queries: bool, kq_scale: float, f16: bool, sinks: Tensor | None
+        self, i: int, q: Tensor, kind: int, scale_queries: bool, kq_scale: float, sinks: Tensor | None
     ) -> Tensor:
         """The decode group's attention (DecodeGroup): each slot of its range with its member's query, over the
         range's keys, as the members' blocks compute it one by one -> [Dv*H, members], in the members' order."""
@@ -294,14 +287,10 @@ class _StepBuilder:
         qs = ggml.ggml_reshape_4d(ctx, qs, hd, 1, nh, n)  # [Hd, 1, H, slots]
         if scale_queries:
             qs = ggml.ggml_scale(ctx, qs, s.scale)
-        if f16:
-            qs = self._f16(qs)
         first, n_keys = group.shape.views[kind]
         keys, values_t = self._cache_views(i, group.shape.lo, first, n_keys, n, g, hd, dv)
         kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, 1, H, slots]
         kq = self._softmax(kq, group.masks[kind], kq_scale, sinks)
-        if f16:
-            kq = self._f16(kq)
         out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, 1, H, slots]
         return ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, out, dv * nh, n), group.output_rows)
 
@@ -312,10 +301,6 @@ class _StepBuilder:
         if sinks is not None:
             ggml.ggml_soft_max_add_sinks(kq, sinks)
         return kq
-
-    def _f16(self, x: Tensor) -> Tensor:
-        """x's values rounded to f16, as a contiguous float32 tensor."""
-        return ggml.ggml_cast(self.ctx, ggml.ggml_cast(self.ctx, x, ggml.GGML_TYPE_F16), ggml.GGML_TYPE_F32)
 
     def _norm_rope(self, x: Tensor, norm: torch.Tensor | None, m: Attention) -> Tensor:
         ctx = self.ctx
@@ -332,33 +317,27 @@ class _StepBuilder:
                                   spec.scale, y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow)  # fmt: skip
 
     def _store(self, i: int, k: Tensor, v: Tensor, g: int, dv: int) -> None:
-        """The step's keys and values into the f16 rows and the float32 copies of their slots, as part of the graph
-        now (the attention reads the cache, not these nodes)."""
+        """The step's keys and values into the pool's rows and its values into the transposed ones (each rounded to
+        the cache's type there), as part of the graph now: the attention's views of the cache come after them."""
         ctx, b, t = self.ctx, self.b, self.key.n_tokens
-        k16, v16, k32, vt32 = self.cache_leaves[i]
-        k = _flat(ctx, k, t)  # [G*Hd, T]
-        # into the pool's rows (rounded to its type there), then those rows read back as float32 for the copies
-        k_rows, v_rows = ggml.ggml_set_rows(ctx, k16, k, self.rows16), ggml.ggml_set_rows(ctx, v16, v, self.rows16)
-        if self.caches[i].pool.k.dtype is not torch.float32:
-            k, v = ggml.ggml_get_rows(ctx, k_rows, self.rows16), ggml.ggml_get_rows(ctx, v_rows, self.rows16)
-        else:
-            b.expand(k_rows)
-            b.expand(v_rows)
-        b.expand(ggml.ggml_set_rows(ctx, k32, k, self.rows32))
-        b.expand(ggml.ggml_set_rows(ctx, vt32, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
+        k_rows, v_rows, vt = self.cache_leaves[i]
+        b.expand(ggml.ggml_set_rows(ctx, k_rows, _flat(ctx, k, t), self.rows))  # [G*Hd, T]
+        b.expand(ggml.ggml_set_rows(ctx, v_rows, v, self.rows))
+        b.expand(ggml.ggml_set_rows(ctx, vt, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
 
     def _cache_views(
         self, i: int, slot: int, first: int, n_keys: int, n_slots: int, g: int, hd: int, dv: int
     ) -> tuple[Tensor, Tensor]:
-        """Keys [Hd, S, G, slots] and transposed values [S, Dv, G, slots] of positions first .. first + S - 1 of the
-        float32 copies of slots slot .. slot + n_slots - 1 (strided views, as `ggml_attention` reads the cache)."""
+        """Keys [Hd, S, G, slots] and transposed values [S, Dv, G, slots] of positions first .. first + S - 1 of
+        slots slot .. slot + n_slots - 1 (strided views, as llama.cpp's graph reads its cache; a padded view of a
+        slot's last rows reads on into the next slot's, or the pool's tail: masked)."""
         ctx, c = self.ctx, self.caches[i]
-        _, _, k32, vt32 = self.cache_leaves[i]
-        rows = c.rows32
-        keys = ggml.ggml_view_4d(ctx, k32, hd, n_keys, g, n_slots, 4 * hd * g, 4 * hd, 4 * hd * g * rows,
-                                 4 * hd * g * (slot * rows + first))  # fmt: skip
-        values_t = ggml.ggml_view_4d(ctx, vt32, n_keys, dv, g, n_slots, 4 * rows, 4 * rows * dv, 4 * rows * dv * g,
-                                     4 * (slot * g * dv * rows + first))  # fmt: skip
+        k_rows, _, vt = self.cache_leaves[i]
+        rows, columns, size = c.rows, c.columns, c.pool.k.element_size()
+        keys = ggml.ggml_view_4d(ctx, k_rows, hd, n_keys, g, n_slots, size * hd * g, size * hd,
+                                 size * hd * g * rows, size * hd * g * (slot * rows + first))  # fmt: skip
+        values_t = ggml.ggml_view_4d(ctx, vt, n_keys, dv, g, n_slots, size * columns, size * columns * dv,
+                                     size * columns * dv * g, size * (slot * g * dv * columns + first))  # fmt: skip
         return keys, values_t
 
     # -- delta-net ----------------------------------------------------------------------------------------

@@ -14,12 +14,11 @@ import torch
 
 from tandem.layers.attention import AttentionShape
 from tandem.models.decoder import DecoderModel
-from tandem.state.kv_cache import KVPool
+from tandem.state.kv_cache import KV_PAD, KVPool
 
-__all__ = ["KV_PAD", "QUERY_BLOCK", "CacheCopies", "DecodeGroup", "GroupInputs", "Pieces", "QueryBlock", "StepInputs",
+__all__ = ["QUERY_BLOCK", "CacheCopies", "DecodeGroup", "GroupInputs", "Pieces", "QueryBlock", "StepInputs",
            "StepKey", "attention_kinds", "decode_group", "layer_windows", "step_key"]
 
-KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV view (layers/attention.py)
 
 
 # -- the cache as the graph sees it -------------------------------------------------------------------------------
@@ -27,34 +26,35 @@ KV_PAD = 64  # keys are read in runs of 64 positions, as llama.cpp pads its KV v
 
 @dataclass(eq=False)
 class CacheCopies:
-    """One attention layer's cache for the graphs: the pool's f16 rows [N, R, G, Hd] (what the layer path reads)
-    and float32 copies of every slot, keys [N, C, G, Hd] and values transposed [N, G, Dv, C] (C: the context
-    rounded up to KV_PAD), which the graphs write beside the f16 rows and read. The copies are each slot's
-    `LayerKV.float32_rows` too, so the layer path and the graphs can take turns."""
+    """One attention layer's cache as the graphs read it, as llama.cpp's holds it for attention without flash
+    attention: the pool's rows [N, R, G, Hd] (the keys, read where they lie; the layer path reads them too) and
+    the values transposed [N, G, Dv, C] (C: the context rounded up to KV_PAD), which the graphs write along with
+    the rows. The transposed values are each slot's `LayerKV.attention_rows` too, so the layer path and the graphs
+    can take turns."""
 
     pool: KVPool
-    k32: torch.Tensor
-    vt32: torch.Tensor
+    vt: torch.Tensor
 
     @classmethod
     def of(cls, pool: KVPool) -> CacheCopies:
-        n, rows, g, d = pool.k.shape
+        n, rows, g, _ = pool.k.shape
         dv = pool.v.shape[-1]
         c = -(-rows // KV_PAD) * KV_PAD
-        # np.zeros: untouched pages stay unallocated (masked keys must be finite, and zero pages are)
-        k32 = torch.from_numpy(np.zeros((n, c, g, d), dtype=np.float32))
-        vt32 = torch.from_numpy(np.zeros((n, g, dv, c), dtype=np.float32))
+        # zeros from numpy's allocator: untouched pages stay unallocated (masked values must be finite, and zero
+        # pages are)
+        dtype = np.float16 if pool.v.dtype is torch.float16 else np.float32
+        vt = torch.from_numpy(np.zeros((n, g, dv, c), dtype=dtype))
         for i, kv in enumerate(pool.slots):
-            kv.share_float32(k32[i], vt32[i])
-        return cls(pool, k32, vt32)
+            kv.share_transposed(vt[i])
+        return cls(pool, vt)
 
     @property
-    def rows(self) -> int:  # f16 rows per slot
+    def rows(self) -> int:  # the pool's rows per slot
         return int(self.pool.k.shape[1])
 
     @property
-    def rows32(self) -> int:  # float32 rows per slot
-        return int(self.k32.shape[1])
+    def columns(self) -> int:  # transposed values per slot, head and dimension
+        return int(self.vt.shape[-1])
 
 
 # -- the step's shape ---------------------------------------------------------------------------------------------
@@ -168,38 +168,36 @@ class StepInputs:
 
     ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int32
-    rows16: np.ndarray  # [T] int32: each row's row in the f16 pool (slot * R + position)
-    rows32: np.ndarray  # [T] int32: in the float32 copies (slot * C + position)
+    rows: np.ndarray  # [T] int32: each row's row in the pool (slot * R + position)
     vt_index: dict[tuple[int, int], np.ndarray]  # (G, Dv) -> [T * G * Dv] int64: each value's place in V^T
     masks: list[list[np.ndarray]]  # per query block, per kind: [N, S] float32, 0 or -inf (none: the group's)
     logit_rows: np.ndarray | None  # [B] int32
     group: GroupInputs | None
     _lanes: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
-    def fill(self, pieces: Pieces, key: StepKey, windows: Sequence[int | None], rows: int, rows32: int) -> None:
+    def fill(self, pieces: Pieces, key: StepKey, windows: Sequence[int | None], rows: int, columns: int) -> None:
         n_blocks = 0
         for (slot, start, tokens), seq in zip(pieces, key.seqs, strict=True):
             o, n = seq.offset, seq.n
             if n == 1:  # decoding: no arrays made
                 self.ids[o], self.positions[o] = tokens[0], start
-                self.rows16[o], self.rows32[o] = slot * rows + start, slot * rows32 + start
+                self.rows[o] = slot * rows + start
             else:
                 self.ids[o : o + n] = tokens
                 self.positions[o : o + n] = np.arange(start, start + n)
-                self.rows16[o : o + n] = self.positions[o : o + n] + slot * rows  # below 2^31 (`unsupported`)
-                self.rows32[o : o + n] = self.positions[o : o + n] + slot * rows32
+                self.rows[o : o + n] = self.positions[o : o + n] + slot * rows  # below 2^31 (`unsupported`)
             for block in seq.blocks:
                 if self.masks[n_blocks]:
                     self._mask(block, start + block.offset - o, windows, self.masks[n_blocks])
                 n_blocks += 1
         if self.group is not None:
             self.group.fill([pieces[j][1] for j in self.group.shape.members], windows)
-        slots = (self.rows32 // max(rows32, 1)).astype(np.int64)  # rows32 0: no attention layer, no vt_index
+        slots = (self.rows // max(rows, 1)).astype(np.int64)  # rows 0: no attention layer, no vt_index
         for (g, dv), index in self.vt_index.items():  # ((slot * G + g) * Dv + d) * C + position, t major
-            lanes = self._lanes.get((g * dv, rows32))
+            lanes = self._lanes.get((g * dv, columns))
             if lanes is None:
-                lanes = self._lanes[(g * dv, rows32)] = np.arange(g * dv, dtype=np.int64) * rows32  # (g*Dv + d) * C
-            base = slots * (g * dv * rows32) + self.positions  # slot * G * Dv * C + position
+                lanes = self._lanes[(g * dv, columns)] = np.arange(g * dv, dtype=np.int64) * columns  # (g*Dv + d) * C
+            base = slots * (g * dv * columns) + self.positions  # slot * G * Dv * C + position
             np.add(base[:, None], lanes[None, :], out=index.reshape(len(self.ids), g * dv))
         if self.logit_rows is not None:
             self.logit_rows[:] = [seq.offset + seq.n - 1 for seq in key.seqs]
