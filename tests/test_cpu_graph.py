@@ -68,6 +68,15 @@ def test_bundled_gemma_graphs_equal_the_layer_path(gemma: tuple[tandem.LLM, Step
     assert np.array_equal(ours, ref), f"max |diff| {np.abs(ours - ref).max()}"
 
 
+def test_a_context_that_is_no_multiple_of_the_padding_reads_to_its_end() -> None:
+    """n_ctx 100: the last positions' padded views (128 keys) read past the pool's rows into its tail, masked;
+    the graphs equal the layer path up to the full context."""
+    with tandem.LLM(default_model_path(), n_ctx=100, threads=2, n_batch=64) as llm:
+        prompt = _prompt(90, 7, llm.config.n_vocab)
+        ours, ref = _run(llm, _graphs(llm), prompt, 9), _run(llm, None, prompt, 9)
+    assert np.array_equal(ours, ref), f"max |diff| {np.abs(ours - ref).max()}"
+
+
 def test_paths_take_turns_on_one_cache(gemma: tuple[tandem.LLM, StepGraph]) -> None:
     """Each path continues what the other wrote into the slot (the f16 rows and their float32 copies): the same
     logits as the layer path alone over the same pieces (the pieces, not one chunk: where the activation rows are

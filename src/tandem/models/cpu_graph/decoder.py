@@ -194,13 +194,13 @@ class _StepBuilder:
 
     # -- attention ----------------------------------------------------------------------------------------
     def _cache_leaves(self, c: CacheCopies) -> tuple[Tensor, Tensor, Tensor]:
-        """Leaves on the pool's K and V rows [G*Hd, N*R] and its transposed values (one value per row,
-        [1, N*G*Dv*C]): what the stores write and the attention's views read."""
+        """Leaves on the pool's K rows [G*Hd, N*R + its tail], V rows [G*Dv, N*R] and transposed values (one value per
+        row, [1, N*G*Dv*C]): what the stores write and the attention's views read."""
         b = self.b
         n, r, g, d = c.pool.k.shape
         dv = c.pool.v.shape[-1]
         gtype = CACHE_TYPES[c.pool.k.dtype]
-        return (b.leaf(gtype, (g * d, n * r), c.pool.k.data_ptr(), c.pool.k),
+        return (b.leaf(gtype, (g * d, c.key_rows), c.pool.k.data_ptr(), c.pool.k),
                 b.leaf(gtype, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
                 b.leaf(gtype, (1, c.vt.numel()), c.vt.data_ptr(), c.vt))  # fmt: skip
 
