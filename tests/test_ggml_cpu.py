@@ -405,6 +405,26 @@ def test_attention_graph_matches_the_emulation(
             assert not torch.equal(attend(q, keys, values, position, shape), emulated)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize(("head_dim", "value_dim"), [(40, 24), (72, 72), (80, 64), (256, 256)])
+def test_head_sizes_off_the_vector_width_match_the_emulation(rows: int, head_dim: int, value_dim: int) -> None:
+    """Head sizes that are no multiple of 16 end each dot product in ggml_vec_dot_f16's scalar tail (summed in
+    double) or leave tinyBLAS: llama.cpp's f16 nodes give the emulation's values there too, so the CPU step graphs
+    cover these models."""
+    from tandem.layers.attention import AttentionShape, _attend_ggml, attend
+
+    shape = AttentionShape(n_heads=4, n_kv_heads=2, head_dim=head_dim, value_dim=value_dim, scale=0.1,
+                           sliding_window=None)  # fmt: skip
+    torch.manual_seed(3)
+    for n_keys in (rows, rows + 13, 64 + rows, 300 + rows):
+        q = torch.randn(rows, 4, head_dim) * 3
+        keys, values = torch.randn(n_keys, 2, head_dim).half(), torch.randn(n_keys, 2, value_dim).half()
+        position = torch.arange(n_keys - rows, n_keys)
+        allowed = position.unsqueeze(1) >= torch.arange(n_keys).unsqueeze(0)
+        emulated = _attend_ggml(q, keys, values, allowed, shape, None)
+        assert torch.equal(attend(q, keys, values, position, shape), emulated), n_keys
+
+
 def test_an_older_ggml_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """ggml-python's own ggml (0.15.3) lacks llama.cpp's tiled K-quant kernel: its products would not be llama.cpp's,
     so CPU kernels refuse to start on it, naming the script that builds the right one; this build is accepted."""
