@@ -39,7 +39,8 @@ def _timed(run: object, reps: int) -> float:
 
 
 def profile(graph: StepGraph, pieces: Pieces, reps: int, top: int) -> None:
-    graph.run(pieces)  # builds the program and fills its inputs
+    # builds the program and fills its inputs; the logits' node writes into the returned tensor: kept alive here
+    logits = graph.run(pieces)
     step = graph._programs[step_key(pieces, graph.kinds)]
     kernels = graph.runner.kernels
     program = step.program
@@ -66,6 +67,7 @@ def profile(graph: StepGraph, pieces: Pieces, reps: int, top: int) -> None:
     print("  largest nodes:")
     for seconds, i, op, ne, src_ne in sorted(nodes, reverse=True)[:top]:
         print(f"    #{i:<5d} {op:24s} {seconds * 1e6:9.1f} µs  out {ne}  src0 {src_ne}")
+    del logits
 
 
 def main() -> None:
