@@ -79,8 +79,8 @@ def build_step(
     model: DecoderModel, caches: Sequence[CacheCopies | DeltaNetPool], key: StepKey, experts: Mapping[int, ExpertFFN]
 ) -> StepProgram:
     """The program of one step shape (see the module docstring); `caches` holds each layer's state (an attention
-    layer's cache copies, a delta-net's pool), `experts` each MoE layer's experts as the graphs multiply them, keyed
-    by the id of its `MoE` (`StepGraph`)."""
+    layer's cache as the graphs read it, a delta-net's pool), `experts` each MoE layer's experts as the graphs
+    multiply them, keyed by the id of its `MoE` (`StepGraph`)."""
     return _StepBuilder(model, caches, key, experts).build()
 
 
