@@ -126,6 +126,7 @@ class KVPool:
     v: torch.Tensor
     window: int | None
     slots: list[LayerKV]
+    key_tail: int = 0  # rows of keys' memory after the last slot's (ggml's padded reads of it on the CPU stay in it)
 
     @classmethod
     def allocate(
@@ -144,15 +145,12 @@ class KVPool:
         is fewer."""
         rows = n_ctx if window is None else min(n_ctx, window + n_batch - 1)
         ring = window if rows < n_ctx else None
-        # On the CPU KV_PAD rows after the last slot, so that ggml's padded reads of it stay in the buffer
+        # On the CPU the keys have KV_PAD rows after the last slot's: ggml reads them in padded runs
         tail = KV_PAD if ring is None and torch.device(device).type == "cpu" else 0
-
-        def buffer(dim: int) -> torch.Tensor:
-            flat = torch.zeros(n_slots * rows + tail, n_kv_heads, dim, dtype=dtype, device=device)
-            return flat[: n_slots * rows].view(n_slots, rows, n_kv_heads, dim)
-
-        k, v = buffer(k_dim), buffer(v_dim)
-        return cls(k, v, ring, [LayerKV(k=k[i], v=v[i], window=ring) for i in range(n_slots)])
+        keys = torch.zeros(n_slots * rows + tail, n_kv_heads, k_dim, dtype=dtype, device=device)
+        k = keys[: n_slots * rows].view(n_slots, rows, n_kv_heads, k_dim)
+        v = torch.zeros(n_slots, rows, n_kv_heads, v_dim, dtype=dtype, device=device)
+        return cls(k, v, ring, [LayerKV(k=k[i], v=v[i], window=ring) for i in range(n_slots)], tail)
 
     @property
     def rows(self) -> int:

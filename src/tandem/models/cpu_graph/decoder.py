@@ -200,7 +200,7 @@ class _StepBuilder:
         n, r, g, d = c.pool.k.shape
         dv = c.pool.v.shape[-1]
         gtype = CACHE_TYPES[c.pool.k.dtype]
-        return (b.leaf(gtype, (g * d, c.key_rows), c.pool.k.data_ptr(), c.pool.k),
+        return (b.leaf(gtype, (g * d, n * r + c.pool.key_tail), c.pool.k.data_ptr(), c.pool.k),
                 b.leaf(gtype, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
                 b.leaf(gtype, (1, c.vt.numel()), c.vt.data_ptr(), c.vt))  # fmt: skip
 

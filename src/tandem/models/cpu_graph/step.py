@@ -53,12 +53,6 @@ class CacheCopies:
         return int(self.pool.k.shape[1])
 
     @property
-    def key_rows(self) -> int:  # rows of the keys' buffer: every slot's, then the pool's tail (KVPool.allocate)
-        k = self.pool.k
-        assert k.storage_offset() == 0
-        return k.untyped_storage().nbytes() // (k.element_size() * k.shape[2] * k.shape[3])
-
-    @property
     def columns(self) -> int:  # transposed values per slot, head and dimension
         return int(self.vt.shape[-1])
 
