@@ -98,35 +98,46 @@ def test_repacked_copy_lives_and_dies_with_its_weight(kernels: CPUKernels) -> No
     assert copy() is None  # its finalizer freed the buffer and the context
 
 
-def test_amx_only_when_asked_and_where_it_runs(kernels: CPUKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TANDEM_AMX=1 puts a Q4_K matrix into ggml's AMX buffer only where a child process's AMX product ran and
-    matched (the dev machine advertises AMX and faults on its first tile instruction: the child dies, this
-    process goes on, with CPU_REPACK and a notice); without the switch AMX is never taken."""
+def test_amx_by_default_where_it_runs(kernels: CPUKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_K matrix goes into ggml's AMX buffer, as llama.cpp's build holds it, only where this build has the buffer
+    type (a CPU with AMX) and a child process's AMX product ran and matched (a machine that advertises AMX and
+    faults on its first tile instruction: the child dies, this process goes on with CPU_REPACK); TANDEM_AMX=0 never
+    takes it, TANDEM_AMX=1 says in a notice when it cannot."""
     import tandem.quant.ggml_weights as gw
 
     rng = np.random.default_rng(14)
     w = GGMLWeight(random_weight_bytes(Q.Q4_K, (64, 512), rng), Q.Q4_K, (64, 512))
-    monkeypatch.delenv(gw.AMX_ENV, raising=False)
-    gw.amx_usable.cache_clear()
-    assert not gw.amx_usable() and gw.amx_notice() == ""
-    plain_kind = repacked_or_skip(w).repacked.kind
-    assert plain_kind == "CPU_REPACK"
-    monkeypatch.setenv(gw.AMX_ENV, "1")
-    gw.amx_usable.cache_clear()
+    x = torch.randn(64, 512)
+    plain = kernels.matmul(x, w).double()
     try:
-        usable = gw.amx_usable()
-        prepared = repacked_or_skip(w)
-        x = torch.randn(64, 512)
-        err = rel_err(kernels.matmul(x, prepared), kernels.matmul(x, w).double())
-        if usable:  # AMX's own rounding of the activations: within the child's acceptance bound
-            assert prepared.repacked.kind == "AMX" and gw.amx_notice() == "" and err < 1e-3
-        else:
-            assert err < 1e-6
-            assert prepared.repacked.kind == "CPU_REPACK" and gw.AMX_ENV in gw.amx_notice()
-            if "AMX" in gw._extra_buffer_types():  # the child ran (and died or disagreed), not this process
-                assert "child process" in gw.amx_notice()
+        monkeypatch.setenv(gw.AMX_ENV, "0")
+        gw.amx_usable.cache_clear()
+        assert not gw.amx_usable() and gw.amx_notice() == ""
+        assert repacked_or_skip(w).repacked.kind == "CPU_REPACK"
+        found = []
+        for setting in (None, "1"):
+            if setting is None:
+                monkeypatch.delenv(gw.AMX_ENV)
+            else:
+                monkeypatch.setenv(gw.AMX_ENV, setting)
+            gw.amx_usable.cache_clear()
+            found.append(usable := gw.amx_usable())
+            prepared = repacked_or_skip(w)
+            err = rel_err(kernels.matmul(x, prepared), plain)
+            if usable:  # AMX's own rounding of the activations: within the child's acceptance bound
+                assert prepared.repacked.kind == "AMX" and gw.amx_notice() == "" and err < 1e-3
+                continue
+            assert prepared.repacked.kind == "CPU_REPACK" and err < 1e-6
+            if setting is None:
+                assert gw.amx_notice() == ""  # not asked for: nothing to say
+            else:
+                assert gw.AMX_ENV in gw.amx_notice()
+                if "AMX" in gw._extra_buffer_types():  # the child ran (and died or disagreed), not this process
+                    assert "child process" in gw.amx_notice()
+        assert found[0] == found[1]  # the default takes it wherever asking for it would
+        assert found[0] or "AMX" not in gw._extra_buffer_types() or "child process" in gw.amx_notice()
     finally:
-        monkeypatch.delenv(gw.AMX_ENV)
+        monkeypatch.delenv(gw.AMX_ENV, raising=False)
         gw.amx_usable.cache_clear()
 
 

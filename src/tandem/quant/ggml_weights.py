@@ -9,13 +9,13 @@ file's memory map) and, where ggml's CPU backend multiplies a weight from anothe
   (`prepare_cpu_weight`). That costs the weight's bytes in RAM, as in llama.cpp (whose mmap pages of those
   weights then go cold). Expert stacks stay in the memory map, as llama.cpp keeps `--cpu-moe` experts,
   unless `--repack-experts` asks for copies (`repack_experts`).
-* AMX (behind `TANDEM_AMX=1`, to be measured): on a CPU with AMX, llama.cpp's default build puts the matrices
-  its AMX kernels take (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) into ggml's AMX buffer type before
-  CPU_REPACK (on the H200 machine: Qwen3-30B-A3B's attention, 749 MiB), where prefill multiplies them on tiles.
-  tandem's ggml has the same buffer type. With the switch, a matrix goes there first, once a child process has
-  run one AMX product and matched the plain one (`amx_usable`): some virtual machines advertise AMX and fault on
-  its first tile instruction (`ldtilecfg`: SIGSEGV on the 2-vCPU dev machine), which must not take the process
-  down. The project's llama.cpp CPU builds for the dev machine leave AMX out (scripts/build_llamacpp.sh).
+* AMX: on a CPU with AMX, llama.cpp's default build puts the matrices its AMX kernels take (Q4_0, Q4_1, Q8_0,
+  Q4_K, Q5_K, Q6_K, IQ4_XS) into ggml's AMX buffer type before CPU_REPACK (Qwen3-30B-A3B's attention: 749 MiB),
+  where prefill multiplies them on tiles; tandem's ggml has the same buffer type and does the same by default
+  (`TANDEM_AMX=0`: never), once a child process has run one AMX product and matched the plain one (`amx_usable`):
+  some virtual machines advertise AMX and fault on its first tile instruction (`ldtilecfg`: SIGSEGV on a 2-vCPU
+  dev machine), which must not take the process down. Where the build has no AMX buffer type (a CPU without AMX)
+  nothing is tried. The project's llama.cpp CPU builds for the dev machine leave AMX out (scripts/build_llamacpp.sh).
 * The tiled K-quant product: for 8 activation rows or more, ggml (0.25 and later, as llama.cpp runs it) multiplies
   K-quant weights that are not repacked with a tiled kernel; `ggml_mul_mat` takes it by itself.
 
@@ -122,7 +122,7 @@ def _extra_buffer_types() -> dict[str, int]:
     return found
 
 
-AMX_ENV = "TANDEM_AMX"  # 1: matrices into ggml's AMX buffer where it runs here (module docstring)
+AMX_ENV = "TANDEM_AMX"  # 0: never ggml's AMX buffer; 1: asked for (a notice where it cannot be); unset: where it runs
 _AMX_CHECK_ROWS = 64  # activation rows of the child's product: on AMX's tiles (one row takes another path)
 
 
@@ -158,9 +158,9 @@ def amx_self_check() -> bool:
 
 @lru_cache(maxsize=1)
 def amx_usable() -> bool:
-    """Whether matrices go into ggml's AMX buffer: asked for (TANDEM_AMX=1), in this build, and its product ran
-    and matched in a child process (`amx_self_check`)."""
-    if os.environ.get(AMX_ENV) != "1" or "AMX" not in _extra_buffer_types():
+    """Whether matrices go into ggml's AMX buffer: not refused (TANDEM_AMX=0), in this build (a CPU with AMX), and
+    its product ran and matched in a child process (`amx_self_check`)."""
+    if os.environ.get(AMX_ENV) == "0" or "AMX" not in _extra_buffer_types():
         return False
     code = "import sys; from tandem.quant.ggml_weights import amx_self_check; sys.exit(0 if amx_self_check() else 3)"
     try:
@@ -303,9 +303,9 @@ def _free_repacked(ctx: int, buffer: int | None) -> None:
 
 
 def prepare_cpu_weight(w: GGMLWeight) -> GGMLWeight:
-    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the AMX (with
-    TANDEM_AMX=1) or CPU_REPACK buffer when ggml takes it there, else left in the memory map. Stacked experts
-    (mul_mat_id) are left as they are."""
+    """w held as llama.cpp's CPU backend holds a matrix that it multiplies: copied into the AMX (a CPU with AMX,
+    unless TANDEM_AMX=0) or CPU_REPACK buffer when ggml takes it there, else left in the memory map. Stacked
+    experts (mul_mat_id) are left as they are."""
     if len(w.shape) != 2 or w.repacked is not None:
         return w
     repacked = RepackedTensor.create(w)

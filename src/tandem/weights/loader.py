@@ -121,7 +121,7 @@ class WeightLoader:
         )
         self._dequantized: dict[str, int] = {}
         self._notices: list[str] = []
-        self._amx_bytes = 0  # matrices copied into ggml's AMX buffer (TANDEM_AMX=1)
+        self._amx_bytes = 0  # matrices copied into ggml's AMX buffer (a CPU with AMX, unless TANDEM_AMX=0)
         # CPU expert stacks copied for ggml's interleaved kernels, made on a pool as loading goes
         cpu_stacks = [i for infos in cpu_experts_by_layer(f, plan.devices).values() for i in infos]
         # the whole model on the CPU: by default, and what llama.cpp's CPU backend repacks (MXFP4 too); beside a GPU
@@ -167,7 +167,8 @@ class WeightLoader:
         option of tandem's own that changed how experts compute (--repack-experts, --pcie-experts)."""
         own = [self._repacks.notice] if self._repacks.notice else []  # what tandem's own options did
         if self._amx_bytes:
-            own.append(f"{AMX_ENV}=1: {self._amx_bytes / 2**20:,.0f} MiB of matrices in ggml's AMX buffer")
+            own.append(f"{self._amx_bytes / 2**20:,.0f} MiB of matrices in ggml's AMX buffer, as llama.cpp's build "
+                       f"holds them on this CPU ({AMX_ENV}=0: not)")
         elif notice := amx_notice():
             own.append(notice)
         if self._cached:
