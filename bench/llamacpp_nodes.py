@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=600, help="the decode step's position")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="llama.cpp's -fa")
     args = parser.parse_args()
 
     sys.path.insert(0, args.lib)
@@ -108,6 +109,7 @@ def main() -> None:
         cparams.n_batch = cparams.n_ubatch = args.pp
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = args.threads
+        cparams.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[args.flash_attn]  # LLAMA_FLASH_ATTN_TYPE_*
         if callback is not None:
             cparams.cb_eval = callback
         ctx = llama_cpp.llama_init_from_model(model, cparams)
