@@ -11,8 +11,7 @@ graphs run on the model's ggml threads, as `tandem bench --device cpu` runs them
 
 --query-blocks: instead, the whole prefill graph's time with each of these query block sizes (rows of a sequence that
 attend together, `QUERY_BLOCK`; the values do not depend on it), in rotation: an A/B of the attention's node size
-against the keys it computes past the causal triangle. --fold-heads on,off: each size with the query heads of a KV
-head in one product (`FOLD_QUERY_HEADS`, the default) and with a product per query head.
+against the keys it computes past the causal triangle.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import torch
 import tandem
 from tandem.api import default_model_path
 from tandem.models.cpu_graph import StepGraph
-from tandem.models.cpu_graph import decoder as step_builder
 from tandem.models.cpu_graph import step as step_shapes
 from tandem.models.cpu_graph.step import Pieces, step_key
 
@@ -78,23 +76,20 @@ def profile(graph: StepGraph, pieces: Pieces, reps: int, top: int) -> None:
     del logits
 
 
-def query_blocks(graph: StepGraph, pieces: Pieces, sizes: list[int], folds: list[bool], reps: int) -> None:
-    variants = [(size, fold) for size in sizes for fold in folds]
-    times: dict[tuple[int, bool], list[float]] = {v: [] for v in variants}
+def query_blocks(graph: StepGraph, pieces: Pieces, sizes: list[int], reps: int) -> None:
+    times: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(reps):
-        for size, fold in variants:
+        for size in sizes:
             step_shapes.QUERY_BLOCK = size  # read by step_key when it cuts the rows into blocks
-            step_builder.FOLD_QUERY_HEADS = fold  # read when the program is built: build it anew
-            graph._programs.clear()
-            graph.run(pieces)  # builds this variant's program and runs it once
+            graph.run(pieces)  # builds this size's program (kept) and runs it once
             t = time.perf_counter()
             graph.run(pieces)
-            times[(size, fold)].append(time.perf_counter() - t)
+            times[size].append(time.perf_counter() - t)
     n = sum(len(tokens) for _, _, tokens in pieces)
-    for (size, fold), seconds in times.items():
+    for size, seconds in times.items():
         best, median = min(seconds), float(np.median(seconds))
-        print(f"  query block {size:5d}, heads {'folded' if fold else 'apart '}: prefill {median * 1e3:9.1f} ms "
-              f"median, {best * 1e3:9.1f} best ({n / median:.1f} tok/s)")
+        print(f"  query block {size:5d}: prefill {median * 1e3:9.1f} ms median, {best * 1e3:9.1f} best "
+              f"({n / median:.1f} tok/s)")
 
 
 def main() -> None:
@@ -106,7 +101,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--query-blocks", default=None, help="comma-separated sizes: time whole prefills only")
-    parser.add_argument("--fold-heads", default="on", help="with --query-blocks: on, off or on,off")
     args = parser.parse_args()
     path = args.model or default_model_path()
     n_ctx = max(args.pp, args.position) + 64
@@ -117,9 +111,7 @@ def main() -> None:
         tokens = torch.randint(3, llm.config.n_vocab, (args.pp,), generator=torch.Generator().manual_seed(0))
         print(f"{path.name}, {args.threads} threads, prefill of {args.pp} tokens:")
         if args.query_blocks:
-            sizes = [int(x) for x in args.query_blocks.split(",")]
-            folds = [{"on": True, "off": False}[x] for x in args.fold_heads.split(",")]
-            query_blocks(graph, [(0, 0, tokens.tolist())], sizes, folds, args.reps)
+            query_blocks(graph, [(0, 0, tokens.tolist())], [int(x) for x in args.query_blocks.split(",")], args.reps)
             return
         profile(graph, [(0, 0, tokens.tolist())], args.reps, args.top)
         print(f"one decode step at position {args.position}:")

@@ -54,10 +54,6 @@ __all__ = ["StepProgram", "build_step"]
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: tandem's rope rotates the two halves of a head together
 
 
-# Prefill blocks multiply the query heads of each KV head as one product's rows (`_folded_heads`); False: one
-# product per query head, for A/B runs (bench/cpu_step_nodes.py --fold-heads): the values are the same.
-FOLD_QUERY_HEADS = True
-
 @dataclass(eq=False)
 class _GroupLeaves:
     """A decode group's inputs as the graph's leaves (GroupInputs)."""
@@ -248,21 +244,16 @@ class _StepBuilder:
             qs = ggml.ggml_view_3d(ctx, q, hd, nh, block.n, nb1, nb2, block.offset * nb2)  # the block's rows
             if scale_queries:
                 qs = ggml.ggml_scale(ctx, qs, s.scale)
+            # the permuted view itself, as llama.cpp multiplies it: the product picks its kernel by the operands'
+            # layout (an f16 cache's converts the queries to f16 first, an f32 cache's sums each q.k by itself)
+            qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
             first, n_keys = block.views[kind]
             keys, values_t = self._cache_views(i, slot, first, n_keys, 1, g, hd, dv)
-            mask = self.masks[n_block][kind]
-            if FOLD_QUERY_HEADS and block.n > 1 and nh > g and sinks is None and self._f16_products(keys):
-                out = self._folded_heads(qs, keys, values_t, mask, kq_scale, block.n, nh, g)  # [Dv, H, N]
-            else:
-                # the permuted view itself, as llama.cpp multiplies it: the product picks its kernel by the operands'
-                # layout (an f16 cache's converts the queries to f16 first, an f32 cache's sums each q.k by itself)
-                qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
-                kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
-                kq = self._softmax(kq, mask, kq_scale, sinks)
-                out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
-                # [Dv, H, N]: for one row the same memory, else a permuted view
-                out = (ggml.ggml_reshape_3d(ctx, out, dv, nh, 1) if block.n == 1
-                       else ggml.ggml_permute(ctx, out, 0, 2, 1, 3))  # fmt: skip
+            kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
+            kq = self._softmax(kq, self.masks[n_block][kind], kq_scale, sinks)
+            out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, N, H]
+            # [Dv, H, N]: for one row the same memory, else a permuted view
+            out = ggml.ggml_reshape_3d(ctx, out, dv, nh, 1) if block.n == 1 else ggml.ggml_permute(ctx, out, 0, 2, 1, 3)
             parts.append((block.offset, block.n, out))
         if self.group is not None:  # its rows [Dv*H, members]: the step's when every sequence is a member
             parts.append((-1, len(members), self._group_attention(i, q, kind, scale_queries, kq_scale, sinks)))
@@ -302,31 +293,6 @@ class _StepBuilder:
         kq = self._softmax(kq, group.masks[kind], kq_scale, sinks)
         out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, 1, H, slots]
         return ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, out, dv * nh, n), group.output_rows)
-
-    @staticmethod
-    def _f16_products(keys: Tensor) -> bool:
-        """Whether the attention's products run on ggml's tiled f16 kernel (an f16 cache), whose every output is
-        the same sum however many query rows one call holds."""
-        return keys.contents.type == ggml.GGML_TYPE_F16
-
-    def _folded_heads(
-        self, qs: Tensor, keys: Tensor, values_t: Tensor, mask: Tensor, kq_scale: float, n: int, nh: int, g: int
-    ) -> Tensor:
-        """A block's attention with the R = H/G query heads of each KV head as one product's rows -> [Dv, H, N].
-        The product runs the tiled kernel once per KV head instead of once per query head: at many threads a
-        head's call of a few rows is mostly the kernel's start and its barrier. Each score and output is the same
-        sum as the per-head product's (the kernel sums each output alone), the softmax works row by row."""
-        ctx, r = self.ctx, nh // g
-        hd = int(qs.contents.ne[0])
-        nb1, nb2 = qs.contents.nb[1], qs.contents.nb[2]
-        q4 = ggml.ggml_view_4d(ctx, qs, hd, r, g, n, nb1, nb1 * r, nb2, 0)  # [Hd, R, G, N]
-        q4 = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, q4, 0, 2, 3, 1))  # [Hd, N, R, G]
-        kq = ggml.ggml_mul_mat(ctx, keys, ggml.ggml_reshape_3d(ctx, q4, hd, n * r, g))  # [S, N*R, G]
-        n_keys = int(kq.contents.ne[0])
-        kq = self._softmax(ggml.ggml_reshape_4d(ctx, kq, n_keys, n, r, g), mask, kq_scale, None)  # the mask's [S, N]
-        out = ggml.ggml_mul_mat(ctx, values_t, ggml.ggml_reshape_3d(ctx, kq, n_keys, n * r, g))  # [Dv, N*R, G]
-        dv = int(out.contents.ne[0])
-        return ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, out, dv, n, r, g), 0, 3, 1, 2)  # [Dv, R, G, N]
 
     def _softmax(self, kq: Tensor, mask: Tensor, kq_scale: float, sinks: Tensor | None) -> Tensor:
         """soft_max_ext over the keys (dimension 0), with each head's sink logit (heads: dimension 2) in the
