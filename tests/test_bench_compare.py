@@ -312,7 +312,10 @@ def test_side_by_side_with_llamacpp(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_p
     assert llama["llama_placement"] == {"n_gpu_layers": 0, "main_gpu": 0, "overrides": [[LLAMA_ALL_EXPERTS, "cpu"]]}
     assert llama["pp_tok_s"]["8"] > 0 and llama["tg_tok_s"] > 0 and llama["peak_rss_bytes"] > 0
     assert set(tandem["ratio_tandem_over_llamacpp"]) == {"pp4", "pp8", "tg2"}
-    assert "×" in (out / "report.md").read_text()
+    # its defaults (flash attention auto) compute attention on the CPU with flash attention, and the report says so
+    assert llama["runs"][0]["flash_attention"] == "on"
+    md = (out / "report.md").read_text()
+    assert "×" in md and "llama.cpp's flash attention (its default `-fa auto`, as its log resolved it)" in md
 
 
 def test_budget_rows(tiny_qwen3moe_gguf: tuple[Path, Path], tmp_path: Path) -> None:

@@ -90,6 +90,16 @@ class _Log:
         self._callback = callback  # keep it alive as long as llama.cpp may call it
         llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
 
+    def flash_attention(self, requested: int) -> str:
+        """'on' or 'off': what llama.cpp's context computes attention with, as its log says it resolved
+        `flash_attn_type` (auto: on wherever the KV cache's device has the kernels, the CPU included)."""
+        text = "".join(self.lines)
+        if "Flash Attention enabled" in text:
+            return "on"
+        if "Flash Attention not supported" in text:
+            return "off"
+        return {0: "off", 1: "on"}.get(requested, "not reported")
+
     def buffer_sizes(self) -> dict[str, float]:
         """'CUDA0 model buffer size = 1234.5 MiB' lines -> {buffer: MiB}: where the weights went."""
         out: dict[str, float] = {}
@@ -198,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_s": load_s,
         "threads": args.threads,
         "weight_bytes": {name: int(mib * 2**20) for name, mib in log.buffer_sizes().items()},
+        "flash_attention": log.flash_attention(int(cparams.flash_attn_type)),
         "version": f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}",
     }
     try:

@@ -370,6 +370,10 @@ def render_markdown(report: Report) -> str:
         for r in loaded:
             parts = ", ".join(f"{k} {v / MIB:,.0f}" for k, v in sorted(r.runs[0]["weight_bytes"].items()))
             lines.append(f"- {ENGINE_NAMES.get(r.engine, r.engine)} `{r.placement.label}`: {parts}")
+    fa = [r for r in report.rows if r.engine == "llamacpp" and r.runs and r.runs[0].get("flash_attention")]
+    if fa:  # its default (auto) turns it on for the CPU too; tandem's CPU attention is llama.cpp's graph without it
+        lines += ["", "llama.cpp's flash attention (its default `-fa auto`, as its log resolved it):", ""]
+        lines += [f"- `{r.placement.label}`: {r.runs[0]['flash_attention']}" for r in fa]
     noticed = [r for r in report.rows if r.runs and r.runs[0].get("notices")]
     if noticed:  # what tandem's own options and fallbacks did (e.g. TANDEM_AMX, --repack-experts)
         lines += ["", "tandem's notices at load:", ""]
