@@ -107,6 +107,9 @@ def main() -> int:
     ap.add_argument("--lib", default=DEFAULT_LIB, help="llama-cpp-python --target dir")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flash-attn", action="store_true",
+                    help="llama.cpp's flash attention (its CPU default, -fa auto) instead of the Python class's off: "
+                         "record to tests/fixtures/gemma3_270m_llamacpp_fa.json")  # fmt: skip
     args = ap.parse_args()
 
     llama_cpp = import_llama_cpp(args.lib)  # before numpy: numpy first made its loader segfault in print_info
@@ -117,6 +120,7 @@ def main() -> int:
         n_ctx=2048,
         n_threads=args.threads,
         n_threads_batch=args.threads,
+        flash_attn=args.flash_attn,
         seed=0,
         verbose=False,
     )
@@ -206,6 +210,7 @@ def main() -> int:
         "model_sha256": sha256_file(args.model),
         "model_bytes": os.path.getsize(args.model),
         "n_ctx": 2048,
+        "flash_attn": args.flash_attn,
         "n_threads": args.threads,
         "n_threads_batch": args.threads,
         "n_batch": llm.n_batch,

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 import tandem
 from tandem.api import default_model_path
 from tandem.layers.moe import MoE
-from tandem.models.cpu_graph import StepGraph
+from tandem.models.cpu_graph import FLASH_ENV, StepGraph
 from tandem.models.cpu_graph.coverage import unsupported
 from tandem.runtime.sampling import Sampler, SamplingParams
 from tandem.synth.writer import synthesize
@@ -216,6 +216,46 @@ def test_tiny_models_close_to_the_layer_path(fixture: str, cache_type: str, requ
         ours, ref = _run(llm, graph, prompt, 8), _run(llm, None, prompt, 8)
         np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "f32"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_gguf", "tiny_qwen3moe_gguf", "tiny_gemma3_gguf", "tiny_gpt_oss_gguf",
+                                     "tiny_qwen35moe_gguf", "tiny_qwen3next_gguf"])  # fmt: skip
+def test_flash_attention_close_to_the_layer_path(
+    fixture: str, cache_type: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TANDEM_CPU_FLASH_ATTN=1: ggml's flash-attention node (f16 keys and values, an f32 cache's cast as llama.cpp
+    casts them; sinks, sliding windows, gated queries) close to the layer path's attention without it, greedy
+    tokens the same, over prompt chunks (-b 32) and decode steps. Its kernel sums the weighted values in f16 (as
+    llama.cpp's does, VKQ16: each step rounds to 11 bits), where the layer path's product sums in float32: the
+    tiny models' logits move by up to ~3e-3 (the bundled Gemma 3's equal llama.cpp's: test_real_gemma3.py)."""
+    _, path = request.getfixturevalue(fixture)
+    monkeypatch.setenv(FLASH_ENV, "1")
+    with tandem.LLM(Path(path), device="cpu", n_ctx=256, threads=2, n_batch=32, cache_type=cache_type) as llm:
+        graph = _graphs(llm)
+        assert graph.flash
+        prompt = _prompt(70, 3, llm.config.n_vocab)
+        ours, ref = _run(llm, graph, prompt, 8), _run(llm, None, prompt, 8)
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_flash_attention_of_a_sequence_is_the_same_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With flash attention each sequence attends in a node of its own (no decode group): its logits in a step
+    beside others, prefilling or decoding, are those of its steps alone, bit for bit."""
+    monkeypatch.setenv(FLASH_ENV, "1")
+    with tandem.LLM(default_model_path(), n_ctx=512, threads=2, n_parallel=3) as llm:
+        graph = llm.engine.runner.cpu_graph
+        assert graph is not None and graph.flash
+        prompts = [_prompt(n, seed, llm.config.n_vocab) for n, seed in ((9, 1), (300, 2), (40, 3))]
+        alone = []
+        for slot, prompt in enumerate(prompts):
+            first = graph.run([(slot, 0, prompt)]).numpy().copy()
+            alone.append([first, graph.run([(slot, len(prompt), [7])]).numpy().copy()])
+        together = graph.run([(s, 0, p) for s, p in enumerate(prompts)]).numpy()
+        decoding = graph.run([(s, len(p), [7]) for s, p in enumerate(prompts)]).numpy()
+        for j in range(3):
+            assert np.array_equal(together[j], alone[j][0][0]) and np.array_equal(decoding[j], alone[j][1][0])
 
 
 def test_uncovered_models_keep_the_layer_path(tiny_gemma4_gguf: tuple[Path, Path]) -> None:

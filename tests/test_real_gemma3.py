@@ -32,6 +32,7 @@ from tandem.layers.activations import ACTIVATIONS
 from tandem.layers.attention import attend
 from tandem.layers.linear import GGMLLinear
 from tandem.layers.norm import rms_norm
+from tandem.models.cpu_graph import FLASH_ENV
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -174,3 +175,38 @@ def test_attention_matches_llamacpp_bit_for_bit(gemma: tandem.LLM) -> None:
     position = torch.tensor([ops["decode_ids"].numel() - 1])
     out = attend(ops["decode_q"], ops["decode_k"].half(), ops["decode_v"].half(), position, blocks[1].mixer.shape)
     _same(out, ops["decode_out"])
+
+
+FLASH_FIXTURE = FIXTURES / "gemma3_270m_llamacpp_fa.json"  # llama.cpp with flash attention (its CPU default)
+
+
+@pytest.fixture(scope="module")
+def gemma_flash() -> Iterator[tandem.LLM]:
+    """The CPU step graphs with their attention as ggml's flash-attention node (TANDEM_CPU_FLASH_ATTN=1, read when
+    the model's graphs are made)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FLASH_ENV, "1")
+        llm = tandem.LLM(default_model_path(), n_ctx=512, threads=2)
+    assert llm.engine.runner.cpu_graph is not None and llm.engine.runner.cpu_graph.flash
+    yield llm
+    llm.close()
+
+
+@pytest.mark.skipif(RECORDED != "", reason="llama.cpp's flash-attention fixture holds the last bits of its AVX-512 "
+                    "VNNI build; this CPU runs other kernel variants of both engines")  # fmt: skip
+def test_flash_attention_is_llamacpp_default_bit_for_bit(gemma_flash: tandem.LLM) -> None:
+    """With flash attention, llama.cpp's CPU default (`-fa auto`), every greedy token and the last logits of each
+    prompt are those llama.cpp's build computes with it (recorded with `--flash-attn`): one node per sequence
+    over a view of 256-cell multiples, as llama.cpp's cache gives it, so that the kernel takes the same path and
+    splits the keys between the threads alike. They differ from the fixture without it (4 of 8 prompts' tokens,
+    logits by up to 0.43)."""
+    fixture = json.loads(FLASH_FIXTURE.read_text())
+    assert fixture["meta"]["flash_attn"] is True
+    for case in fixture["greedy"]:
+        assert greedy(gemma_flash, case) == case["tokens"], f"prompt {case['prompt']!r}"
+    for case in fixture["logits"]:
+        gemma_flash.engine.reset()
+        ours = gemma_flash.logits(case["prompt_ids"])[-1]
+        assert all(float(ours[token]) == logit for token, logit in case["top50"])
+    plain = json.loads(FIXTURE.read_text())
+    assert sum(a["tokens"] != b["tokens"] for a, b in zip(plain["greedy"], fixture["greedy"], strict=True)) >= 1

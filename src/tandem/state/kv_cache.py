@@ -15,6 +15,9 @@ CACHE_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float
 # ggml's attention on the CPU reads keys in runs of this many positions, as llama.cpp pads its KV view: the padding
 # decides where ggml's vector runs end and a scalar tail starts (layers/attention.py)
 KV_PAD = 64
+# llama.cpp's cache views with flash attention: a multiple of 256 cells (its n_kv), which decides the kernel's
+# path and its split of the keys between threads
+KV_PAD_FLASH = 256
 
 
 class ContextFullError(TandemError):
@@ -126,7 +129,7 @@ class KVPool:
     v: torch.Tensor
     window: int | None
     slots: list[LayerKV]
-    key_tail: int = 0  # rows of keys' memory after the last slot's (ggml's padded reads of it on the CPU stay in it)
+    tail: int = 0  # rows of keys' and values' memory after the last slot's (ggml's padded reads on the CPU stay in it)
 
     @classmethod
     def allocate(
@@ -145,11 +148,12 @@ class KVPool:
         is fewer."""
         rows = n_ctx if window is None else min(n_ctx, window + n_batch - 1)
         ring = window if rows < n_ctx else None
-        # On the CPU the keys have KV_PAD rows after the last slot's: ggml reads them in padded runs
-        tail = KV_PAD if ring is None and torch.device(device).type == "cpu" else 0
+        # On the CPU the keys and values have rows after the last slot's: ggml reads them in padded runs
+        tail = KV_PAD_FLASH if ring is None and torch.device(device).type == "cpu" else 0
         keys = torch.zeros(n_slots * rows + tail, n_kv_heads, k_dim, dtype=dtype, device=device)
+        values = torch.zeros(n_slots * rows + tail, n_kv_heads, v_dim, dtype=dtype, device=device)
         k = keys[: n_slots * rows].view(n_slots, rows, n_kv_heads, k_dim)
-        v = torch.zeros(n_slots, rows, n_kv_heads, v_dim, dtype=dtype, device=device)
+        v = values[: n_slots * rows].view(n_slots, rows, n_kv_heads, v_dim)
         return cls(k, v, ring, [LayerKV(k=k[i], v=v[i], window=ring) for i in range(n_slots)], tail)
 
     @property

@@ -24,9 +24,12 @@ from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
-__all__ = ["SWITCH_ENV", "StepGraph", "enabled"]
+__all__ = ["FLASH_ENV", "SWITCH_ENV", "StepGraph", "enabled"]
 
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
+# 1: the attention as ggml's flash-attention node, as llama.cpp's CPU default (-fa auto) computes it; unset: llama.cpp's
+# graph without flash attention (-fa off), which the llama.cpp fixtures hold. For measurements (docs/FLAGS.md).
+FLASH_ENV = "TANDEM_CPU_FLASH_ATTN"
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
 
@@ -53,6 +56,7 @@ class StepGraph:
         # per routed branch, keyed by its id: its experts as the layer path's ggml graph describes them
         self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)
+        self.flash = os.environ.get(FLASH_ENV, "").strip() == "1"
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 
     @classmethod
@@ -74,7 +78,7 @@ class StepGraph:
         """The step of `pieces` (slot, position of the first token, token ids) per sequence, which follow the
         slots' cached tokens: logits [B, V] after each piece's last token, or [T, V] of every token with
         `all_logits` (decoding, every row is a piece's last)."""
-        key = step_key(pieces, self.kinds, all_logits)
+        key = step_key(pieces, self.kinds, all_logits, self.flash)
         step = self._programs.get(key)
         if step is None:
             step = build_step(self.model, self.caches, key, self.experts)

@@ -109,7 +109,8 @@ class _StepBuilder:
             rows=np.zeros(t, dtype=np.int32),  # set_rows takes int32 row numbers
             vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
             masks=[[] if group is not None and j in group.members else
-                   [np.zeros((q.n, q.views[k][1]), dtype=np.float32) for k in range(len(windows))]
+                   [np.zeros((q.n, q.views[k][1]), dtype=np.float16 if key.flash else np.float32)
+                    for k in range(len(windows))]
                    for j, s in enumerate(key.seqs) for q in s.blocks],  # fmt: skip
             logit_rows=None if key.n_logits is None else np.zeros(key.n_logits, dtype=np.int32),
             group=None if group is None else GroupInputs.of(group, key),
@@ -194,14 +195,14 @@ class _StepBuilder:
 
     # -- attention ----------------------------------------------------------------------------------------
     def _cache_leaves(self, c: CacheCopies) -> tuple[Tensor, Tensor, Tensor]:
-        """Leaves on the pool's K rows [G*Hd, N*R + its tail], V rows [G*Dv, N*R] and transposed values (one value per
-        row, [1, N*G*Dv*C]): what the stores write and the attention's views read."""
+        """Leaves on the pool's K rows [G*Hd, N*R + its tail], V rows [G*Dv, N*R + its tail] and transposed values (one
+        value per row, [1, N*G*Dv*C]): what the stores write and the attention's views read."""
         b = self.b
         n, r, g, d = c.pool.k.shape
         dv = c.pool.v.shape[-1]
         gtype = CACHE_TYPES[c.pool.k.dtype]
-        return (b.leaf(gtype, (g * d, n * r + c.pool.key_tail), c.pool.k.data_ptr(), c.pool.k),
-                b.leaf(gtype, (g * dv, n * r), c.pool.v.data_ptr(), c.pool.v),
+        return (b.leaf(gtype, (g * d, n * r + c.pool.tail), c.pool.k.data_ptr(), c.pool.k),
+                b.leaf(gtype, (g * dv, n * r + c.pool.tail), c.pool.v.data_ptr(), c.pool.v),
                 b.leaf(gtype, (1, c.vt.numel()), c.vt.data_ptr(), c.vt))  # fmt: skip
 
     def _attention(self, i: int, m: Attention | GatedAttention, h: Tensor) -> Tensor:
@@ -248,6 +249,10 @@ class _StepBuilder:
             # layout (an f16 cache's converts the queries to f16 first, an f32 cache's sums each q.k by itself)
             qs = ggml.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [Hd, N, H]
             first, n_keys = block.views[kind]
+            if self.key.flash:
+                parts.append((block.offset, block.n, self._flash(i, qs, slot, first, n_keys, n_block, kind, kq_scale,
+                                                                 sinks)))  # fmt: skip
+                continue
             keys, values_t = self._cache_views(i, slot, first, n_keys, 1, g, hd, dv)
             kq = ggml.ggml_mul_mat(ctx, keys, qs)  # [S, N, H]
             kq = self._softmax(kq, self.masks[n_block][kind], kq_scale, sinks)
@@ -293,6 +298,26 @@ class _StepBuilder:
         kq = self._softmax(kq, group.masks[kind], kq_scale, sinks)
         out = ggml.ggml_mul_mat(ctx, values_t, kq)  # [Dv, 1, H, slots]
         return ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, out, dv * nh, n), group.output_rows)
+
+    def _flash(self, i: int, qs: Tensor, slot: int, first: int, n_keys: int, n_block: int, kind: int,
+               kq_scale: float, sinks: Tensor | None) -> Tensor:  # fmt: skip
+        """A sequence's attention (its queries qs [Hd, N, H]) as llama.cpp's graph with flash attention builds it:
+        one FLASH_ATTN_EXT node over its view of the keys and values where they lie (f16; an f32 cache's cast to
+        f16 first, as llama.cpp casts them), the f16 mask, the sinks in its denominator -> [Dv, H, N]."""
+        ctx, c, s = self.ctx, self.caches[i], self.model.blocks[i].mixer.shape
+        hd, dv, g = s.head_dim, s.value_dim, s.n_kv_heads
+        k_rows, v_rows, _ = self.cache_leaves[i]
+        size, rows = c.pool.k.element_size(), c.rows
+        row0 = slot * rows + first
+        keys = ggml.ggml_view_3d(ctx, k_rows, hd, n_keys, g, size * hd * g, size * hd, size * hd * g * row0)
+        values = ggml.ggml_view_3d(ctx, v_rows, dv, n_keys, g, size * dv * g, size * dv, size * dv * g * row0)
+        if c.pool.k.dtype != torch.float16:
+            keys = ggml.ggml_cast(ctx, keys, ggml.GGML_TYPE_F16)
+            values = ggml.ggml_cast(ctx, values, ggml.GGML_TYPE_F16)
+        out = ggml.ggml_flash_attn_ext(ctx, qs, keys, values, self.masks[n_block][kind], float(kq_scale), 0.0, 0.0)
+        if sinks is not None:
+            ggml.ggml_flash_attn_ext_add_sinks(out, sinks)
+        return out  # [Dv, H, N]
 
     def _softmax(self, kq: Tensor, mask: Tensor, kq_scale: float, sinks: Tensor | None) -> Tensor:
         """soft_max_ext over the keys (dimension 0), with each head's sink logit (heads: dimension 2) in the

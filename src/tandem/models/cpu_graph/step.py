@@ -14,7 +14,7 @@ import torch
 
 from tandem.layers.attention import AttentionShape
 from tandem.models.decoder import DecoderModel
-from tandem.state.kv_cache import KV_PAD, KVPool
+from tandem.state.kv_cache import KV_PAD, KV_PAD_FLASH, KVPool
 
 __all__ = ["QUERY_BLOCK", "CacheCopies", "DecodeGroup", "GroupInputs", "Pieces", "QueryBlock", "StepInputs",
            "StepKey", "attention_kinds", "decode_group", "layer_windows", "step_key"]
@@ -85,6 +85,7 @@ class StepKey(NamedTuple):
 
     seqs: tuple[SeqKey, ...]
     n_logits: int | None  # rows whose logits the step returns (None: every row)
+    flash: bool = False  # attention as ggml's flash-attention node (llama.cpp's -fa on), each block apart
 
     @property
     def n_tokens(self) -> int:
@@ -96,11 +97,17 @@ QUERY_BLOCK = 64  # rows of a sequence that attend together: in long prompts, fe
 Pieces = Sequence[tuple[int, int, Sequence[int]]]  # per sequence: slot, position of its first token, its tokens
 
 
-def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False) -> StepKey:
+def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False, flash: bool = False) -> StepKey:
     """The shape of the step of `pieces`: logits of every row (decoding, or `all_logits`) or of each piece's last."""
     seqs, offset = [], 0
     for slot, position, tokens in pieces:
         n_seq = len(tokens)
+        if flash:  # one node of every row over llama.cpp's view of the cache, of each kind (its kernel's path and
+            # split of the keys follow the view's size)
+            view = (0, -(-(position + n_seq) // KV_PAD_FLASH) * KV_PAD_FLASH)
+            seqs.append(SeqKey(slot, n_seq, offset, (QueryBlock(offset, n_seq, (view,) * len(windows)),)))
+            offset += n_seq
+            continue
         blocks = []
         for r0 in range(0, n_seq, QUERY_BLOCK):
             n = min(QUERY_BLOCK, n_seq - r0)
@@ -118,7 +125,7 @@ def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = F
         seqs.append(SeqKey(slot, n_seq, offset, tuple(blocks)))
         offset += n_seq
     every_row = all_logits or all(s.n == 1 for s in seqs)
-    key = StepKey(tuple(seqs), None if every_row else len(seqs))
+    key = StepKey(tuple(seqs), None if every_row else len(seqs), flash)
     group = decode_group(key)
     if group is None:
         return key
@@ -147,7 +154,7 @@ def decode_group(key: StepKey) -> DecodeGroup | None:
     """The decoding sequences of the step as one group, or None: fewer than two, or a group whose slot range and
     key span would compute more than twice the keys its members read (one long context among short ones)."""
     members = tuple(j for j, s in enumerate(key.seqs) if s.n == 1)
-    if len(members) < 2:
+    if len(members) < 2 or key.flash:  # flash attention: a node per sequence, each as it would run alone
         return None
     slots = [key.seqs[j].slot for j in members]
     lo, n_slots = min(slots), max(slots) - min(slots) + 1
