@@ -173,6 +173,42 @@ def test_prefill_is_chunked_beside_decode(tiny_qwen3moe_gguf: tuple[Path, Path])
         assert sum(n for pieces in steps for slot, n in pieces if slot == long.slot) == 100
 
 
+def test_a_step_of_b_tokens_runs_in_pieces_of_ub(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    """-b 64 -ub 16 (n_batch, n_ubatch), as llama.cpp's logical and physical batches: three prompts that arrive
+    together are computed in one step, in runs of at most 16 tokens (a prompt split between runs goes on in the
+    next), and their first tokens come out of that step together; with -b 16 they come one step after another.
+    Each sequence's greedy tokens are those it gets alone (f32)."""
+    path = tiny_qwen3moe_gguf[1]
+    flags = dict(device="cpu", cache_type="f32", threads=2, n_ctx=128, n_parallel=3)
+    with tandem.LLM(path, n_batch=64, n_ubatch=16, **flags) as llm:  # type: ignore[arg-type]
+        engine, n_vocab = llm.engine, llm.tokenizer.n_vocab
+        prompts = [_prompt(n, 40 + n, n_vocab) for n in (10, 23, 17)]
+        runs: list[list[tuple[int, int]]] = []
+        run = engine.runner.run
+
+        def recorded(pieces, all_logits=False):  # type: ignore[no-untyped-def]
+            runs.append([(slot, len(tokens)) for slot, tokens in pieces])
+            return run(pieces, all_logits)
+
+        engine.runner.run = recorded  # type: ignore[method-assign]
+        seqs = [engine.add_request(prompt, _greedy(), 6, frozenset()) for prompt in prompts]
+        first_step = engine.step()
+        assert sorted(o.seq.id for o in first_step) == sorted(s.id for s in seqs)  # every first token at once
+        assert [sum(n for _, n in r) for r in runs] == [16, 16, 16, 2], runs  # 50 prompt tokens in runs of <= 16
+        while engine.has_work:
+            engine.step()
+        assert all(sum(n for _, n in r) <= 16 for r in runs)
+        batched = [s.output for s in seqs]
+    with tandem.LLM(path, n_batch=16, **flags) as llm:  # type: ignore[arg-type]
+        engine = llm.engine
+        seqs = [engine.add_request(prompt, _greedy(), 6, frozenset()) for prompt in prompts]
+        assert len(engine.step()) <= 1  # a 16-token budget: one prompt's first token at most
+        for seq in seqs:
+            engine.abort(seq)
+        alone = _run_alone(llm, [(prompt, 6, 0) for prompt in prompts])
+    assert batched == alone and all(len(t) == 6 for t in alone)
+
+
 def test_abort_frees_the_slot_and_reuses_the_prefix(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     """An aborted sequence's slot takes the next request; a request that starts with a finished sequence's tokens
     gets that slot and computes only the rest (the next turn of a chat)."""

@@ -136,6 +136,7 @@ class LLM:
         moe_cache: str | int | None = None,
         expert_stats: str | os.PathLike[str] | None = None,
         moe_cache_refresh: int = 0,
+        n_ubatch: int | None = None,
     ) -> None:
         """Open `path` (default: the bundled Gemma 3 270M), plan placement, load weights where planned.
 
@@ -143,6 +144,8 @@ class LLM:
         threads: ggml's CPU threads (None or negative, as llama.cpp's -1: the physical cores).
         n_ctx: tokens per sequence; n_parallel: sequences the engine holds at once (-np, the pool's slots);
         n_batch: tokens per step (prompts are computed in chunks of it beside the sequences decoding).
+        n_ubatch: tokens per computation (llama.cpp's physical batch, -ub; default and at most n_batch): a step of
+        n_batch tokens runs in pieces of n_ubatch, whose size the memory plan and the GPU's buffers are made for.
         n_gpu_layers: llama.cpp's -ngl, for its command lines: the layer count or more (or < 0) keeps the layers
         on the GPU, 0 on the CPU; tandem does not split the layers between devices (a PlacementError).
         dtype: compute type on the GPU, "bf16" (default), "f16" or "f32"; the CPU computes in f32.
@@ -168,6 +171,9 @@ class LLM:
             check_option(name, value)
         if threads is not None:
             check_option("threads", threads)
+        if n_ubatch is not None:
+            check_option("n_ubatch", n_ubatch)
+        step_tokens, n_batch = n_batch, n_batch if n_ubatch is None else min(n_ubatch, n_batch)  # as llama.cpp
         self.file: GGUFFile = open_gguf(path if path is not None else default_model_path())
         arch = architecture(self.file)
         for info in self.file.tensors.values():  # a type tandem cannot read first: its shapes mean nothing
@@ -248,7 +254,7 @@ class LLM:
         self._max_token_bytes: int | None = None  # see _check_fits
         self.engine = Engine(
             self.model, n_ctx, CACHE_DTYPES[cache_type], n_batch, graphs=cuda_graphs, n_slots=n_parallel,
-            runner=self.tp.runner if self.tp is not None else ModelRunner,
+            runner=self.tp.runner if self.tp is not None else ModelRunner, step_tokens=step_tokens,
         )  # fmt: skip
         if self.expert_stats is not None:
             self.engine.on_new_text = self._count_text

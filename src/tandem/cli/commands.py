@@ -46,6 +46,7 @@ def _load(args: argparse.Namespace) -> LLM:
             threads=args.threads,
             cache_type=args.cache_type,
             n_batch=args.batch_size,
+            n_ubatch=args.ubatch_size,
             n_parallel=args.parallel,
             repack_experts=args.repack_experts,
             pcie_experts=args.pcie_experts,
@@ -126,8 +127,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 
 
 # The numeric flags, by the API option that OPTION_LIMITS (runtime/sampling.py) checks them as.
-_NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "parallel": "n_parallel", "threads": "threads",
-                  "pcie_experts": "pcie_experts", "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens",
+_NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "ubatch_size": "n_ubatch", "parallel": "n_parallel",
+                  "threads": "threads", "pcie_experts": "pcie_experts", "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens",
                   "temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                   "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}  # fmt: skip

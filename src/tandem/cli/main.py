@@ -12,6 +12,15 @@ EXIT_USER_ERROR = 2
 MAX_MESSAGE = 1000  # a message echoes paths, names and values: cut, so that it stays one line
 
 
+def _add_ubatch_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-ub", "--ubatch-size", type=int, default=None,
+        help="tokens per computation, as llama.cpp's physical batch (default and at most -b): a step of -b tokens "
+        "runs in pieces of it, so -b 2048 -ub 512 computes prompts that arrive together in one step, in the memory "
+        "of 512",
+    )  # fmt: skip
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M Q4_K_M)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
@@ -195,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate from one prompt, streamed to stdout")
     _add_model_flags(run)
+    _add_ubatch_flag(run)
     _add_sampling_flags(run)
     run.add_argument("-p", "--prompt", required=True, help="the prompt")
     run.add_argument(
@@ -206,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (keeps the KV cache between turns)")
     _add_model_flags(chat)
+    _add_ubatch_flag(chat)
     _add_sampling_flags(chat)
     chat.add_argument(
         "-n", "--n-predict", type=int, default=512, help="max tokens per reply (default 512; -1: no limit)"
@@ -215,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI- and Ollama-compatible HTTP server on the engine")
     _add_model_flags(serve)
+    _add_ubatch_flag(serve)
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="the TCP port (default 8080)")
     serve.add_argument(

@@ -36,8 +36,10 @@ class StepOutput:
 
 
 class Engine:
-    """Owns a model, the state pool of `n_slots` sequences of up to n_ctx tokens, the runner and the scheduler;
-    a step computes at most n_batch tokens."""
+    """Owns a model, the state pool of `n_slots` sequences of up to n_ctx tokens, the runner and the scheduler.
+    A step schedules up to `step_tokens` tokens (llama.cpp's logical batch, -b; default n_batch) and computes
+    them in runs of at most n_batch (its physical batch, -ub), sampling once they are all done: prompts that
+    arrive together give their first tokens together, in the memory of n_batch tokens."""
 
     def __init__(
         self,
@@ -48,13 +50,14 @@ class Engine:
         graphs: bool = True,
         n_slots: int = 1,
         runner: RunnerFactory = ModelRunner,
+        step_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.n_batch = n_batch
         self.n_ctx = n_ctx
         self.pool = model.new_pool(n_slots, n_ctx, cache_dtype, n_batch)
         self.runner = runner(model, self.pool, graphs)
-        self.scheduler = Scheduler(self.pool, n_batch)
+        self.scheduler = Scheduler(self.pool, step_tokens or n_batch)
         self._ids = itertools.count()
         # called where a new text begins (a request added, slot 0 emptied): --expert-stats counts texts apart
         self.on_new_text: Callable[[], None] | None = None
@@ -88,7 +91,7 @@ class Engine:
         if not work:
             return []
         try:
-            logits = self.runner.run([(w.seq.slot, w.tokens) for w in work])  # type: ignore[misc]
+            logits = self._run([(w.seq.slot, w.tokens) for w in work])  # type: ignore[misc]
         except BaseException:
             for w in work:  # their slots' states are unknown after a failed step: forget them
                 self.pool.caches[w.seq.slot].truncate(0)  # type: ignore[index]
@@ -111,6 +114,43 @@ class Engine:
             if seq.n_output == seq.max_tokens or cache.length >= self.n_ctx:
                 self.scheduler.finish(seq, "length")
         return out
+
+    def _run(self, pieces: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """The logits after each piece, computed in runs of at most n_batch tokens in the pieces' order (a piece
+        longer than the room left goes on in the next run)."""
+        if sum(len(tokens) for _, tokens in pieces) <= self.n_batch:
+            return self.runner.run(pieces)
+        rows: list[torch.Tensor | None] = [None] * len(pieces)
+        run: list[tuple[int, list[int]]] = []
+        ends: list[int | None] = []  # per part of the run: the piece it ends, if it does
+        room = self.n_batch
+        for i, (slot, tokens) in enumerate(pieces):
+            at = 0
+            while at < len(tokens):
+                take = min(room, len(tokens) - at)
+                run.append((slot, tokens[at : at + take]))
+                at += take
+                ends.append(i if at == len(tokens) else None)
+                room -= take
+                if room == 0:
+                    self._run_part(run, ends, rows)
+                    room = self.n_batch
+        if run:
+            self._run_part(run, ends, rows)
+        done = [row for row in rows if row is not None]
+        assert len(done) == len(pieces)
+        return torch.stack(done)
+
+    def _run_part(
+        self, run: list[tuple[int, list[int]]], ends: list[int | None], rows: list[torch.Tensor | None]
+    ) -> None:
+        """One run of `_run`: its logits kept for the pieces it ends."""
+        logits = self.runner.run(list(run))
+        for end, row in zip(ends, logits, strict=True):
+            if end is not None:
+                rows[end] = row
+        run.clear()
+        ends.clear()
 
     def generate(self, seq: Sequence) -> Iterator[int]:
         """`seq`'s tokens as they are sampled, stepping the engine (and every other sequence in it) until it ends;

@@ -57,6 +57,7 @@ OPTION_LIMITS: dict[str, Limit] = {
     "max_tokens": Limit("-n/--n-predict", -1, 2**31 - 1),
     "n_ctx": Limit("-c/--ctx-size", 1, 1 << 24),
     "n_batch": Limit("-b/--batch-size", 1, 1 << 20),
+    "n_ubatch": Limit("-ub/--ubatch-size", 1, 1 << 20),
     "n_parallel": Limit("-np/--parallel", 1, 32),  # the largest decode graph (runtime/runner.py DECODE_BUCKETS)
     "threads": Limit("-t", -(2**31), 512),  # ggml's GGML_MAX_N_THREADS; 0 and negatives: api.resolve_threads
     "pcie_experts": Limit("--pcie-experts", 0, 1 << 16),
