@@ -86,7 +86,8 @@
 #     llama.cpp has no form of). MATRIX=none skips the matrix.
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
 #     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all" (NAME+pcieK as BATCHED's), prompt
-#     HTTP_PP=128 tokens, HTTP_TG=64 tokens each, HTTP_REPS=2 rounds per N and server; the table in the log. tandem serve needs fastapi, starlette,
+#     HTTP_PP=128 tokens, HTTP_TG=64 tokens each, HTTP_REPS=2 rounds per N and server, HTTP_TANDEM_FLAGS for tandem
+#     serve alone (e.g. "-b 2048 -ub 512", llama-server's defaults); the table in the log. tandem serve needs fastapi, starlette,
 #     uvicorn and pydantic, which the device image lacks: carry their wheels in .whl/, else llama-server runs alone)
 #   The llama.cpp tools of BATCHED and HTTP (llama-batched-bench, llama-server) are built thin, in the background
 #     once get_llama's libraries are there: scripts/build_llamacpp_tools.sh --shared-libs $PEER_LIB compiles only
@@ -464,6 +465,8 @@ for k in "${!targets[@]}"; do
       [[ $placement == cpu-moe* ]] && flags+=(--cpu-moe)
       [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags+=(--n-cpu-moe "${BASH_REMATCH[1]}")
       [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
+      tflags="$tflags ${HTTP_TANDEM_FLAGS:-}"  # e.g. "-b 2048 -ub 512", llama-server's own defaults
+      tflags="${tflags## }" tflags="${tflags%% }"
       part=$(( http_share / ${#placements[@]} ))
       if (( part < 60 )); then say "http $name $placement: no time left ($part s)"; continue; fi
       say "http $name $placement: concurrency $HTTP, $part s"
