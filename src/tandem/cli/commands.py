@@ -128,7 +128,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 
 # The numeric flags, by the API option that OPTION_LIMITS (runtime/sampling.py) checks them as.
 _NUMERIC_FLAGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "ubatch_size": "n_ubatch", "parallel": "n_parallel",
-                  "threads": "threads", "pcie_experts": "pcie_experts", "n_cpu_moe": "n_cpu_moe", "n_predict": "max_tokens",
+                  "threads": "threads", "pcie_experts": "pcie_experts", "n_cpu_moe": "n_cpu_moe",
+                  "n_predict": "max_tokens",
                   "temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                   "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "seed": "seed",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}  # fmt: skip
