@@ -46,7 +46,7 @@ def _load(args: argparse.Namespace) -> LLM:
             threads=args.threads,
             cache_type=args.cache_type,
             n_batch=args.batch_size,
-            n_ubatch=args.ubatch_size,
+            n_ubatch=getattr(args, "ubatch_size", None),  # run, chat, serve (bench's runs are one per step)
             n_parallel=args.parallel,
             repack_experts=args.repack_experts,
             pcie_experts=args.pcie_experts,
