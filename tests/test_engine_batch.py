@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tandem
+from tandem.runtime.engine import Engine
 from tandem.runtime.sampling import Sampler, SamplingParams
 from tandem.runtime.sequence import Sequence
 
@@ -146,19 +147,25 @@ def test_seeded_sampling_is_reproducible_per_request(tiny_qwen3moe_gguf: tuple[P
     assert batched == alone
 
 
+def _recorded_runs(engine: Engine) -> list[list[tuple[int, int]]]:
+    """Each run of the engine's runner from now on, as (slot, tokens) per piece."""
+    runs: list[list[tuple[int, int]]] = []
+    run = engine.runner.run
+
+    def recorded(pieces, all_logits=False):  # type: ignore[no-untyped-def]
+        runs.append([(slot, len(tokens)) for slot, tokens in pieces])
+        return run(pieces, all_logits)
+
+    engine.runner.run = recorded  # type: ignore[method-assign]
+    return runs
+
+
 def test_prefill_is_chunked_beside_decode(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     """A long prompt arriving while another sequence decodes is computed in chunks within the step's token budget,
     and the decoding sequence advances in every one of those steps."""
     with tandem.LLM(tiny_qwen3moe_gguf[1], device="cpu", threads=2, n_ctx=256, n_batch=16, n_parallel=2) as llm:
         engine, n_vocab = llm.engine, llm.tokenizer.n_vocab
-        steps: list[list[tuple[int, int]]] = []
-        run = engine.runner.run
-
-        def recorded(pieces, all_logits=False):  # type: ignore[no-untyped-def]
-            steps.append([(slot, len(tokens)) for slot, tokens in pieces])
-            return run(pieces, all_logits)
-
-        engine.runner.run = recorded  # type: ignore[method-assign]
+        steps = _recorded_runs(engine)
         first = engine.add_request(_prompt(4, 1, n_vocab), _greedy(), 40, frozenset())
         engine.step()
         engine.step()
@@ -183,14 +190,7 @@ def test_a_step_of_b_tokens_runs_in_pieces_of_ub(tiny_qwen3moe_gguf: tuple[Path,
     with tandem.LLM(path, n_batch=64, n_ubatch=16, **flags) as llm:  # type: ignore[arg-type]
         engine, n_vocab = llm.engine, llm.tokenizer.n_vocab
         prompts = [_prompt(n, 40 + n, n_vocab) for n in (10, 23, 17)]
-        runs: list[list[tuple[int, int]]] = []
-        run = engine.runner.run
-
-        def recorded(pieces, all_logits=False):  # type: ignore[no-untyped-def]
-            runs.append([(slot, len(tokens)) for slot, tokens in pieces])
-            return run(pieces, all_logits)
-
-        engine.runner.run = recorded  # type: ignore[method-assign]
+        runs = _recorded_runs(engine)
         seqs = [engine.add_request(prompt, _greedy(), 6, frozenset()) for prompt in prompts]
         first_step = engine.step()
         assert sorted(o.seq.id for o in first_step) == sorted(s.id for s in seqs)  # every first token at once
