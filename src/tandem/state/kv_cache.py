@@ -150,10 +150,12 @@ class KVPool:
         ring = window if rows < n_ctx else None
         # On the CPU the keys and values have rows after the last slot's: ggml reads them in padded runs
         tail = KV_PAD_FLASH if ring is None and torch.device(device).type == "cpu" else 0
-        keys = torch.zeros(n_slots * rows + tail, n_kv_heads, k_dim, dtype=dtype, device=device)
-        values = torch.zeros(n_slots * rows + tail, n_kv_heads, v_dim, dtype=dtype, device=device)
-        k = keys[: n_slots * rows].view(n_slots, rows, n_kv_heads, k_dim)
-        v = values[: n_slots * rows].view(n_slots, rows, n_kv_heads, v_dim)
+
+        def buffer(dim: int) -> torch.Tensor:
+            flat = torch.zeros(n_slots * rows + tail, n_kv_heads, dim, dtype=dtype, device=device)
+            return flat[: n_slots * rows].view(n_slots, rows, n_kv_heads, dim)
+
+        k, v = buffer(k_dim), buffer(v_dim)
         return cls(k, v, ring, [LayerKV(k=k[i], v=v[i], window=ring) for i in range(n_slots)], tail)
 
     @property

@@ -305,12 +305,9 @@ class _StepBuilder:
         one FLASH_ATTN_EXT node over its view of the keys and values where they lie (f16; an f32 cache's cast to
         f16 first, as llama.cpp casts them), the f16 mask, the sinks in its denominator -> [Dv, H, N]."""
         ctx, c, s = self.ctx, self.caches[i], self.model.blocks[i].mixer.shape
-        hd, dv, g = s.head_dim, s.value_dim, s.n_kv_heads
         k_rows, v_rows, _ = self.cache_leaves[i]
-        size, rows = c.pool.k.element_size(), c.rows
-        row0 = slot * rows + first
-        keys = ggml.ggml_view_3d(ctx, k_rows, hd, n_keys, g, size * hd * g, size * hd, size * hd * g * row0)
-        values = ggml.ggml_view_3d(ctx, v_rows, dv, n_keys, g, size * dv * g, size * dv, size * dv * g * row0)
+        keys = self._rows_view(i, k_rows, s.head_dim, slot, first, n_keys, 1)
+        values = self._rows_view(i, v_rows, s.value_dim, slot, first, n_keys, 1)
         if c.pool.k.dtype != torch.float16:
             keys = ggml.ggml_cast(ctx, keys, ggml.GGML_TYPE_F16)
             values = ggml.ggml_cast(ctx, values, ggml.GGML_TYPE_F16)
@@ -358,12 +355,19 @@ class _StepBuilder:
         slot's last rows reads on into the next slot's, or the pool's tail: masked)."""
         ctx, c = self.ctx, self.caches[i]
         k_rows, _, vt = self.cache_leaves[i]
-        rows, columns, size = c.rows, c.columns, c.pool.k.element_size()
-        keys = ggml.ggml_view_4d(ctx, k_rows, hd, n_keys, g, n_slots, size * hd * g, size * hd,
-                                 size * hd * g * rows, size * hd * g * (slot * rows + first))  # fmt: skip
+        columns, size = c.columns, c.pool.k.element_size()
+        keys = self._rows_view(i, k_rows, hd, slot, first, n_keys, n_slots)
         values_t = ggml.ggml_view_4d(ctx, vt, n_keys, dv, g, n_slots, size * columns, size * columns * dv,
                                      size * columns * dv * g, size * (slot * g * dv * columns + first))  # fmt: skip
         return keys, values_t
+
+    def _rows_view(self, i: int, leaf: Tensor, d: int, slot: int, first: int, n_keys: int, n_slots: int) -> Tensor:
+        """[D, S, G, slots] of a pool's rows leaf (keys, or values untransposed), positions first .. first + S - 1
+        of slots slot .. slot + n_slots - 1, as llama.cpp's graph views its cache."""
+        c = self.caches[i]
+        rows, size, g = c.rows, c.pool.k.element_size(), int(c.pool.k.shape[2])
+        return ggml.ggml_view_4d(self.ctx, leaf, d, n_keys, g, n_slots, size * d * g, size * d,
+                                 size * d * g * rows, size * d * g * (slot * rows + first))  # fmt: skip
 
     # -- delta-net ----------------------------------------------------------------------------------------
     def _state_leaves(self, pool: DeltaNetPool) -> tuple[Tensor, Tensor]:
