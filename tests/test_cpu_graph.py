@@ -240,6 +240,41 @@ def test_flash_attention_close_to_the_layer_path(
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_flash_views_are_llamacpp_cells_then_the_window() -> None:
+    """A flash-attention node reads llama.cpp's view of its cache, the cells up to the last used one in multiples of
+    256, from position 0; a sliding layer's, once its keys pass llama.cpp's ring (n_swa + n_ubatch cells), those of
+    its window only, as many as the ring holds rather than every key since position 0."""
+    from tandem.models.cpu_graph.step import sliding_ring, step_key
+
+    windows = [None, 512]
+    rings = [sliding_ring(w, 4096, 512) for w in windows]
+    assert rings == [None, 1024] and sliding_ring(512, 700, 512) == 768  # at most the context
+    early = step_key([(0, 512, list(range(512)))], windows, flash=True, rings=rings)
+    assert early.seqs[0].blocks[0].views == ((0, 1024), (0, 1024))
+    late = step_key([(0, 2560, list(range(440)))], windows, flash=True, rings=rings)
+    assert late.seqs[0].blocks[0].views == ((0, 3072), (2048, 1024))  # keys 2049..2999 of 2560..2999's windows
+    decode = step_key([(0, 3000, [1])], windows, flash=True, rings=rings)
+    assert decode.seqs[0].blocks[0].views == ((0, 3072), (2304, 768))
+    assert step_key([(0, 3000, [1])], windows, flash=True).seqs[0].blocks[0].views == ((0, 3072), (0, 3072))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma3_gguf", "tiny_gpt_oss_gguf"])
+def test_flash_attention_past_the_ring_close_to_the_layer_path(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sliding layers past llama.cpp's ring (window + -b cells, here 256) read their window's keys: a 300-token
+    prompt in chunks of 32 and decode steps after it stay as close to the layer path as short prompts do."""
+    _, path = request.getfixturevalue(fixture)
+    monkeypatch.setenv(FLASH_ENV, "1")
+    with tandem.LLM(Path(path), device="cpu", n_ctx=512, threads=2, n_batch=32) as llm:
+        graph = _graphs(llm)
+        assert graph.flash and any(r == 256 for r in graph.rings)
+        prompt = _prompt(300, 5, llm.config.n_vocab)
+        ours, ref = _run(llm, graph, prompt, 8), _run(llm, None, prompt, 8)
+        np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
 def test_flash_attention_of_a_sequence_is_the_same_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """With flash attention each sequence attends in a node of its own (no decode group): its logits in a step
     beside others, prefilling or decoding, are those of its steps alone, bit for bit."""

@@ -18,7 +18,7 @@ import torch
 from tandem.models.cpu_graph.coverage import routed_branches, unsupported
 from tandem.models.cpu_graph.decoder import StepProgram, build_step
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
-from tandem.models.cpu_graph.step import CacheCopies, Pieces, StepKey, attention_kinds, step_key
+from tandem.models.cpu_graph.step import CacheCopies, Pieces, StepKey, attention_kinds, sliding_ring, step_key
 from tandem.models.decoder import DecoderModel
 from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
@@ -57,6 +57,7 @@ class StepGraph:
         self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)
         self.flash = os.environ.get(FLASH_ENV, "").strip() == "1"
+        self.rings = [sliding_ring(w, pool.n_ctx, pool.n_batch) for w in self.kinds]
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 
     @classmethod
@@ -78,7 +79,7 @@ class StepGraph:
         """The step of `pieces` (slot, position of the first token, token ids) per sequence, which follow the
         slots' cached tokens: logits [B, V] after each piece's last token, or [T, V] of every token with
         `all_logits` (decoding, every row is a piece's last)."""
-        key = step_key(pieces, self.kinds, all_logits, self.flash)
+        key = step_key(pieces, self.kinds, all_logits, self.flash, self.rings)
         step = self._programs.get(key)
         if step is None:
             step = build_step(self.model, self.caches, key, self.experts)

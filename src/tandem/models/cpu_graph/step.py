@@ -17,7 +17,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.state.kv_cache import KV_PAD, KV_PAD_FLASH, KVPool
 
 __all__ = ["QUERY_BLOCK", "CacheCopies", "DecodeGroup", "GroupInputs", "Pieces", "QueryBlock", "StepInputs",
-           "StepKey", "attention_kinds", "decode_group", "layer_windows", "step_key"]
+           "StepKey", "attention_kinds", "decode_group", "layer_windows", "sliding_ring", "step_key"]
 
 
 
@@ -97,15 +97,38 @@ QUERY_BLOCK = 64  # rows of a sequence that attend together: in long prompts, fe
 Pieces = Sequence[tuple[int, int, Sequence[int]]]  # per sequence: slot, position of its first token, its tokens
 
 
-def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False, flash: bool = False) -> StepKey:
-    """The shape of the step of `pieces`: logits of every row (decoding, or `all_logits`) or of each piece's last."""
+def sliding_ring(window: int | None, n_ctx: int, n_batch: int) -> int | None:
+    """The cells of llama.cpp's cache of a sliding-window layer (n_swa + n_ubatch, in multiples of 256, at most the
+    context): where a sequence's keys pass it, its ring has wrapped. None: a full-attention layer's cache never
+    wraps."""
+    if window is None:
+        return None
+    return -(-min(n_ctx, window + n_batch) // KV_PAD_FLASH) * KV_PAD_FLASH
+
+
+def _flash_view(position: int, end: int, window: int | None, ring: int | None) -> tuple[int, int]:
+    """The keys a sequence's flash-attention node reads: llama.cpp's view, the cells up to the last used one in
+    multiples of 256 (their count decides the kernel's path and its split of the keys between threads), while its
+    cache has not wrapped. Past a sliding ring's size, llama.cpp's view is the whole ring, its cells in an order of
+    their own; the node reads those of the window instead (as many, and the same keys)."""
+    padded_end = -(-end // KV_PAD_FLASH) * KV_PAD_FLASH
+    if window is None or ring is None or end <= ring:
+        return 0, padded_end
+    first = max(0, position - window + 1) // KV_PAD_FLASH * KV_PAD_FLASH
+    return first, padded_end - first
+
+
+def step_key(pieces: Pieces, windows: Sequence[int | None], all_logits: bool = False, flash: bool = False,
+             rings: Sequence[int | None] | None = None) -> StepKey:
+    """The shape of the step of `pieces`: logits of every row (decoding, or `all_logits`) or of each piece's last.
+    `rings`: with `flash`, each window's `sliding_ring` (none: the keys from position 0)."""
     seqs, offset = [], 0
+    rings = [None] * len(windows) if rings is None else rings
     for slot, position, tokens in pieces:
         n_seq = len(tokens)
-        if flash:  # one node of every row over llama.cpp's view of the cache, of each kind (its kernel's path and
-            # split of the keys follow the view's size)
-            view = (0, -(-(position + n_seq) // KV_PAD_FLASH) * KV_PAD_FLASH)
-            seqs.append(SeqKey(slot, n_seq, offset, (QueryBlock(offset, n_seq, (view,) * len(windows)),)))
+        if flash:  # one node of every row over llama.cpp's view of the cache, of each kind
+            views = tuple(_flash_view(position, position + n_seq, w, r) for w, r in zip(windows, rings, strict=True))
+            seqs.append(SeqKey(slot, n_seq, offset, (QueryBlock(offset, n_seq, views),)))
             offset += n_seq
             continue
         blocks = []
