@@ -70,8 +70,8 @@
 #     with its own ggml 0.15.3 (built beside the usual one; bench/ggml_versions.py then times it too),
 #     `+repack` adds --repack-experts, `pcieK` --pcie-experts K (after BENCH_FLAGS: it wins), `tNN` uses NN threads,
 #     `noamx` sets TANDEM_AMX=0 (a CPU model's matrices not in ggml's AMX buffer, where tandem puts them by default on
-#     an AMX CPU, as llama.cpp's build holds them), `fa` sets TANDEM_CPU_FLASH_ATTN=1 (the CPU attention as llama.cpp's
-#     default computes it, flash attention),
+#     an AMX CPU, as llama.cpp's build holds them), `fa` sets TANDEM_CPU_FLASH_ATTN=1 (flash attention, the CPU
+#     graphs' default with an f16 cache, forced), `nofa` =0 (llama.cpp's -fa off graph),
 #     `tree-NAME` imports tandem from ab/NAME/src: another
 #     branch's src/ copied there, untracked, which the device call carries with the working tree)
 #   FIDELITY=1 (after the build, before the benches: scripts/fidelity.py, tandem's GPU settings and llama.cpp's CUDA
@@ -489,7 +489,8 @@ for k in "${!targets[@]}"; do
     [[ $variant =~ pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
     envs=("${hide_gpu[@]}")
     [[ $variant == *noamx* ]] && envs+=(TANDEM_AMX=0)
-    [[ $variant == *fa* ]] && envs+=(TANDEM_CPU_FLASH_ATTN=1)
+    [[ $variant =~ (^|[+])fa($|[+]) ]] && envs+=(TANDEM_CPU_FLASH_ATTN=1)
+    [[ $variant =~ (^|[+])nofa($|[+]) ]] && envs+=(TANDEM_CPU_FLASH_ATTN=0)
     ab_matrix=${AB_MATRIX:-cpu-moe}
     [[ "$DEVICE" == cpu ]] && ab_matrix=all
     say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"

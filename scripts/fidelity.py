@@ -7,10 +7,11 @@ the longer prompts, 80 tokens past one delta-net chunk), converted to F32 GGUF b
 max |logit - reference| per prompt and the argmax agreement over the 121 positions for each engine setting.
 
     python scripts/fidelity.py [--families qwen3moe,qwen35moe,gpt_oss,gemma4] [--settings cpu,cpu-f32,gpu,...]
-                               [--lib DIR] [--backend cpu|cuda] [--record] [--json FILE]
+                               [--lib DIR] [--backend cpu|cuda] [--flash-attn] [--record] [--json FILE]
 
-`--record` writes tests/fixtures/fidelity_llamacpp_<backend>.json: per family, the GGUF's sha256, llama.cpp's
-(defaults: f16 K/V cache, no flash attention) max |diff| per prompt, its argmax ids and its logits on 64 columns,
+`--record` writes tests/fixtures/fidelity_llamacpp_<backend>[_fa].json: per family, the GGUF's sha256, llama.cpp's
+(f16 K/V cache; without flash attention, the Python class's default, or with it: `--flash-attn`, its CLI's default
+`-fa auto` on the CPU) max |diff| per prompt, its argmax ids and its logits on 64 columns,
 which tests/test_fidelity.py holds tandem's defaults to. llama.cpp runs in a child process (llama_cpp must be
 imported before numpy there).
 """
@@ -59,12 +60,12 @@ def columns(n_vocab: int) -> list[int]:
     return sorted(random.Random(PROMPT_SEED + 1).sample(range(n_vocab), N_COLUMNS))
 
 
-def llama_child(lib: str, model: str, prompts_json: str, out_path: str, n_gpu_layers: int) -> None:
-    """Child process: llama.cpp's logits for every prompt with its defaults (f16 K/V, no flash attention)."""
+def llama_child(lib: str, model: str, prompts_json: str, out_path: str, n_gpu_layers: int, flash_attn: bool) -> None:
+    """Child process: llama.cpp's logits for every prompt with its defaults (f16 K/V), flash attention or not."""
     llama_cpp = import_llama_cpp(lib)  # before numpy
     llm = llama_cpp.Llama(
         model_path=model, n_ctx=128, n_batch=128, n_ubatch=128, n_threads=2, n_threads_batch=2, logits_all=True,
-        n_gpu_layers=n_gpu_layers, flash_attn=False, seed=0, verbose=False,
+        n_gpu_layers=n_gpu_layers, flash_attn=flash_attn, seed=0, verbose=False,
     )
     import numpy as np
 
@@ -77,13 +78,13 @@ def llama_child(lib: str, model: str, prompts_json: str, out_path: str, n_gpu_la
     np.savez(out_path, **out)
 
 
-def llama_logits(lib: str, model: str, ids: list[list[int]], backend: str) -> list[Any]:
+def llama_logits(lib: str, model: str, ids: list[list[int]], backend: str, flash_attn: bool) -> list[Any]:
     import numpy as np
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "logits.npz")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", lib, model, json.dumps(ids), out,
-               str(99 if backend == "cuda" else 0)]  # fmt: skip
+               str(99 if backend == "cuda" else 0), str(int(flash_attn))]  # fmt: skip
         subprocess.run(cmd, check=True)
         z = np.load(out)
         return [z[f"p{i}"] for i in range(len(ids))]
@@ -116,13 +117,14 @@ def tandem_logits(gguf: str, ids: list[list[int]], setting: dict[str, Any]) -> l
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        llama_child(*sys.argv[2:6], n_gpu_layers=int(sys.argv[6]))
+        llama_child(*sys.argv[2:6], n_gpu_layers=int(sys.argv[6]), flash_attn=sys.argv[7] == "1")
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--settings", default="cpu,cpu-f32")
     ap.add_argument("--lib", default=DEFAULT_LIB, help="llama-cpp-python install ('' to leave llama.cpp out)")
     ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="llama.cpp's build: its layers there")
+    ap.add_argument("--flash-attn", action="store_true", help="llama.cpp with flash attention (its CLI's default)")
     ap.add_argument("--record", action="store_true", help="write tests/fixtures/fidelity_llamacpp_<backend>.json")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
@@ -143,7 +145,7 @@ def main() -> int:
             refs = reference_logits(hf_dir, ids)
             rows: dict[str, Any] = {}
             if args.lib:
-                outs = llama_logits(args.lib, gguf, ids, args.backend)
+                outs = llama_logits(args.lib, gguf, ids, args.backend, args.flash_attn)
                 diffs, agree = closeness(outs, refs)
                 rows[f"llama.cpp-{args.backend}"] = {"max_abs_diff": diffs, "argmax_agree": agree}
                 cols = columns(n_vocab)
@@ -167,12 +169,14 @@ def main() -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
     if args.record:
-        path = os.path.join(FIXTURES_DIR, f"fidelity_llamacpp_{args.backend}.json")
+        path = os.path.join(FIXTURES_DIR, f"fidelity_llamacpp_{args.backend}{'_fa' if args.flash_attn else ''}.json")
         meta = {
             "models": "tests/tiny_models.make_tiny_<family>(seed=0), converted to F32 by tandem",
             "prompts": f"scripts/fidelity.py prompts(): lengths {list(PROMPT_LENGTHS)}, seed {PROMPT_SEED}",
-            "settings": "llama.cpp defaults: f16 K/V cache, no flash attention, one batch per prompt, n_ctx 128"
+            "settings": f"llama.cpp defaults: f16 K/V cache, {'' if args.flash_attn else 'no '}flash attention, "
+            "one batch per prompt, n_ctx 128"
             + (", all layers on the GPU" if args.backend == "cuda" else ", 2 threads"),
+            "flash_attn": args.flash_attn,
             "llama_cpp_python": "0.3.36",
             "date": datetime.date.today().isoformat(),
         }

@@ -4,7 +4,10 @@ On the bundled Gemma 3 270M the two give the same logits bit for bit (so llama.c
 prompts whose Q6_K products take ggml's tiled kernel (8 rows or more), chunked prefill, contexts past the sliding
 window, decode steps, and several sequences in one step; the paths take turns on one cache. On the tiny models the
 graphs cover (gpt-oss's biases, sinks and YaRN included, Qwen3.5's and Qwen3-Next's delta-net and gated attention),
-ggml's SwiGLU, GELU formula, routing and delta-net conv replace torch's: close, not equal."""
+ggml's SwiGLU, GELU formula, routing and delta-net conv replace torch's: close, not equal.
+
+Those tests hold the graph without flash attention (llama.cpp's `-fa off`, TANDEM_CPU_FLASH_ATTN=0), whose attention
+is the layer path's; the flash-attention node, the graphs' default with an f16 cache, has its own below."""
 
 from __future__ import annotations
 
@@ -19,11 +22,21 @@ from gguf import GGMLQuantizationType as Q
 
 import tandem
 from tandem.api import default_model_path
+from tandem.errors import TandemError
 from tandem.layers.moe import MoE
 from tandem.models.cpu_graph import FLASH_ENV, StepGraph
 from tandem.models.cpu_graph.coverage import unsupported
 from tandem.runtime.sampling import Sampler, SamplingParams
 from tandem.synth.writer import synthesize
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _attention_without_flash() -> Iterator[None]:
+    """The graph of llama.cpp's `-fa off` for this module's models (read when their graphs are made); the
+    flash-attention tests set the switch on themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FLASH_ENV, "0")
+        yield
 
 
 def _prompt(n: int, seed: int, n_vocab: int) -> list[int]:
@@ -238,6 +251,27 @@ def test_flash_attention_close_to_the_layer_path(
         ours, ref = _run(llm, graph, prompt, 8), _run(llm, None, prompt, 8)
         np.testing.assert_allclose(ours, ref, atol=5e-3, rtol=0)
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize(("setting", "f16", "f32"), [("", True, False), ("auto", True, False), ("on", True, True),
+                                                    ("1", True, True), ("off", False, False), ("0", False, False)])
+def test_flash_attention_by_default_with_an_f16_cache(
+    tiny_qwen3_gguf: tuple[Path, Path], setting: str, f16: bool, f32: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset or auto, the graphs compute attention as llama.cpp's CPU default (`-fa auto`: on) with an f16 cache,
+    and in float32 with an f32 one (llama.cpp's flash attention casts it to f16); on and off force it."""
+    monkeypatch.setenv(FLASH_ENV, setting)
+    for cache_type, expected in (("f16", f16), ("f32", f32)):
+        with tandem.LLM(tiny_qwen3_gguf[1], device="cpu", n_ctx=64, threads=2, cache_type=cache_type) as llm:
+            assert _graphs(llm).flash is expected, (setting, cache_type)
+
+
+def test_a_bad_flash_attention_setting_is_a_clear_error(
+    tiny_qwen3_gguf: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FLASH_ENV, "maybe")
+    with pytest.raises(TandemError, match="TANDEM_CPU_FLASH_ATTN='maybe': expected auto, on"):
+        tandem.LLM(tiny_qwen3_gguf[1], device="cpu", n_ctx=64, threads=2)
 
 
 def test_flash_views_are_llamacpp_cells_then_the_window() -> None:

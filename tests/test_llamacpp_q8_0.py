@@ -20,6 +20,7 @@ import pytest
 from llamacpp_logits import assert_logits_match_llama_cpp
 
 import tandem
+from tandem.models.cpu_graph import FLASH_ENV
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PATHS = pytest.mark.parametrize("cpu_graph", ["1", "0"], ids=["step-graphs", "layer-path"])
@@ -38,8 +39,10 @@ def test_gemma3_f16_cache_logits_match_llama_cpp(
     tiny_gemma3_q8_0_gguf: tuple[Path, Path], cpu_graph: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prefill in one batch and the last tokens decoded one at a time, on 7 and 80 tokens (past the sliding
-    window of 16), through the CPU step graphs (the default) and the layer path."""
+    window of 16), through the CPU step graphs and the layer path, as llama.cpp computes attention without flash
+    attention (the fixture's, recorded through the Python class's default)."""
     monkeypatch.setenv("TANDEM_CPU_GRAPH", cpu_graph)
+    monkeypatch.setenv(FLASH_ENV, "0")
     with tandem.LLM(tiny_gemma3_q8_0_gguf[1], threads=1, n_ctx=64) as llm:
         assert llm.config.scale_queries and llm.config.attn_scale == pytest.approx(32**-0.5)
     _check(tiny_gemma3_q8_0_gguf[1], "gemma3", "f16")

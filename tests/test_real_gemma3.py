@@ -1,9 +1,10 @@
 """The real Gemma 3 270M Q4_K_M against llama.cpp's recorded greedy tokens and intermediate tensors.
 
 The fixtures are recorded from llama.cpp's CPU build (llama-cpp-python 0.3.36, defaults: f16 KV cache, no
-flash attention) on two CPUs, each its own set: one with AVX-512 VNNI (`gemma3_270m_llamacpp.json`, `_ops.npz`) and
-an AVX2 one without AVX-512 (AMD EPYC Zen 3: the `_avx2` files); tokens and logits by
-scripts/record_llamacpp_fixtures.py, the op-level tensors by scripts/compare_activations_llamacpp.py --save-ops.
+flash attention, which TANDEM_CPU_FLASH_ATTN=0 computes; `_fa`: with it, llama.cpp's CLI default and tandem's)
+on two CPUs, each its own set: one with AVX-512 VNNI (`gemma3_270m_llamacpp.json`, `_ops.npz`) and an AVX2 one
+without AVX-512 (AMD EPYC Zen 3: the `_avx2` files); tokens and logits by scripts/record_llamacpp_fixtures.py,
+the op-level tensors by scripts/compare_activations_llamacpp.py --save-ops.
 
 Every op tandem computes itself on the CPU (RMS norm, rope, attention with the f16 cache, GEGLU) gives
 llama.cpp's float32 results bit for bit (test_ops_match_llamacpp_bit_for_bit), and the quantized products
@@ -64,7 +65,11 @@ def fixture() -> dict:
 
 @pytest.fixture(scope="module")
 def gemma() -> Iterator[tandem.LLM]:
-    llm = tandem.LLM(default_model_path(), n_ctx=512, threads=2)
+    """Attention as the fixtures' llama.cpp computed it, without flash attention (TANDEM_CPU_FLASH_ATTN=0, read
+    when the model's graphs are made); tandem's default, flash attention as llama.cpp's CLI default, below."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FLASH_ENV, "0")
+        llm = tandem.LLM(default_model_path(), n_ctx=512, threads=2)
     yield llm
     llm.close()
 
@@ -182,10 +187,10 @@ FLASH_FIXTURE = FIXTURES / "gemma3_270m_llamacpp_fa.json"  # llama.cpp with flas
 
 @pytest.fixture(scope="module")
 def gemma_flash() -> Iterator[tandem.LLM]:
-    """The CPU step graphs with their attention as ggml's flash-attention node (TANDEM_CPU_FLASH_ATTN=1, read when
-    the model's graphs are made)."""
+    """tandem's defaults: the CPU step graphs' attention as ggml's flash-attention node (an f16 cache, the
+    switch TANDEM_CPU_FLASH_ATTN unset)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(FLASH_ENV, "1")
+        patch.delenv(FLASH_ENV, raising=False)
         llm = tandem.LLM(default_model_path(), n_ctx=512, threads=2)
     assert llm.engine.runner.cpu_graph is not None and llm.engine.runner.cpu_graph.flash
     yield llm

@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import torch
 
+from tandem.errors import TandemError
 from tandem.models.cpu_graph.coverage import routed_branches, unsupported
 from tandem.models.cpu_graph.decoder import StepProgram, build_step
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
@@ -24,11 +25,12 @@ from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
 
-__all__ = ["FLASH_ENV", "SWITCH_ENV", "StepGraph", "enabled"]
+__all__ = ["FLASH_ENV", "SWITCH_ENV", "StepGraph", "enabled", "flash_attention"]
 
 SWITCH_ENV = "TANDEM_CPU_GRAPH"
-# 1: the attention as ggml's flash-attention node, as llama.cpp's CPU default (-fa auto) computes it; unset: llama.cpp's
-# graph without flash attention (-fa off), which the llama.cpp fixtures hold. For measurements (docs/FLAGS.md).
+# How the graphs compute attention (docs/FLAGS.md): "auto" (unset), as llama.cpp's CPU default (-fa auto: on) with
+# an f16 cache, ggml's flash-attention node, and in float32 with an f32 cache (llama.cpp's would cast it to f16);
+# "1"/"on": the flash-attention node always; "0"/"off": llama.cpp's graph without flash attention (-fa off).
 FLASH_ENV = "TANDEM_CPU_FLASH_ATTN"
 _MAX_PROGRAMS = 8  # step shapes kept: decode moves to a new one every KV_PAD positions
 
@@ -39,6 +41,16 @@ def enabled() -> bool:
     than the layer path (docs/PERFORMANCE.md)."""
     value = os.environ.get(SWITCH_ENV)
     return value is None or value.strip() not in ("", "0")
+
+
+def flash_attention(pool: StatePool) -> bool:
+    """Whether the graphs of `pool`'s steps compute attention as ggml's flash-attention node (FLASH_ENV)."""
+    setting = os.environ.get(FLASH_ENV, "auto").strip().lower() or "auto"
+    if setting not in ("auto", "1", "on", "0", "off"):
+        raise TandemError(f"{FLASH_ENV}={setting!r}: expected auto, on (1) or off (0)")
+    if setting == "auto":
+        return all(layer.k.dtype == torch.float16 for layer in pool.layers if isinstance(layer, KVPool))
+    return setting in ("1", "on")
 
 
 class StepGraph:
@@ -56,7 +68,7 @@ class StepGraph:
         # per routed branch, keyed by its id: its experts as the layer path's ggml graph describes them
         self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)
-        self.flash = os.environ.get(FLASH_ENV, "").strip() == "1"
+        self.flash = flash_attention(pool)
         self.rings = [sliding_ring(w, pool.n_ctx, pool.n_batch) for w in self.kinds]
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 
