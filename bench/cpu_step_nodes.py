@@ -7,8 +7,8 @@ For a prefill of `--pp` random tokens into an empty cache and for one decode ste
 graph's time, then each node's alone (a view of the graph holding only it, repeated), summed by op (products by
 their weight's type) with the largest nodes. Each node timed alone pays one graph launch (~1 µs) and finds its
 inputs in cache where the whole graph may not: the sum is a floor, the breakdown says which ops to look at. Both
-graphs run on the model's ggml threads, as `tandem bench --device cpu` runs them. With TANDEM_CPU_FLASH_ATTN=1 the
-graphs' attention is llama.cpp's flash-attention node (docs/FLAGS.md).
+graphs run on the model's ggml threads, as `tandem bench --device cpu` runs them, with their attention as
+TANDEM_CPU_FLASH_ATTN picks it (docs/FLAGS.md; by default with an f16 cache the flash-attention node).
 
 --query-blocks: instead, the whole prefill graph's time with each of these query block sizes (rows of a sequence that
 attend together, `QUERY_BLOCK`; the values do not depend on it), in rotation: an A/B of the attention's node size
