@@ -110,7 +110,8 @@ def _flash_view(position: int, end: int, window: int | None, ring: int | None) -
     """The keys a sequence's flash-attention node reads: llama.cpp's view, the cells up to the last used one in
     multiples of 256 (their count decides the kernel's path and its split of the keys between threads), while its
     cache has not wrapped. Past a sliding ring's size, llama.cpp's view is the whole ring, its cells in an order of
-    their own; the node reads those of the window instead (as many, and the same keys)."""
+    their own; the node reads the window's instead, in 256s (the ring's count, or a block more where the window's
+first key is not on a 256 boundary)."""
     padded_end = -(-end // KV_PAD_FLASH) * KV_PAD_FLASH
     if window is None or ring is None or end <= ring:
         return 0, padded_end
