@@ -48,7 +48,7 @@ def _timed(run: object, reps: int) -> float:
 def profile(graph: StepGraph, pieces: Pieces, reps: int, top: int) -> None:
     # builds the program and fills its inputs; the logits' node writes into the returned tensor: kept alive here
     logits = graph.run(pieces)
-    step = graph._programs[step_key(pieces, graph.kinds, flash=graph.flash)]
+    step = graph._programs[step_key(pieces, graph.kinds, flash=graph.flash, rings=graph.rings)]
     kernels = graph.runner.kernels
     program = step.program
     whole = _timed(lambda: kernels.compute_graph(program.address), reps)
