@@ -101,7 +101,8 @@
 #     bounded by PROFILE_BATCHED_S=240)
 #   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
-#     by stage, and torch's segments by the line that made them)
+#     by stage, and torch's segments by the line that made them; VRAM_BREAKDOWN_FLAGS="--ctx 256 --batch 2048
+#     --ubatch 512" as a server runs)
 #   HOT="static uniform drift long" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
 #     qwen3-30b-a3b models with skewed routing, and the budget's peak VRAM with a prompt past -b; its models synthesised and their statistics recorded while
 #     llama.cpp builds, or with a carried build each step's just before its runs; HOT_BUDGET=10GiB
@@ -329,6 +330,7 @@ if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; the
     [[ $placement =~ \+pcie([0-9]+)$ ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
     say "VRAM breakdown $placement: bench/vram_breakdown.py ${flags[*]}"
     timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" bench/vram_breakdown.py "${early[0]}" -t "$THREADS" "${flags[@]}" \
+      ${VRAM_BREAKDOWN_FLAGS:-} \
       2>&1 | grep -vE "Warning|warn\(" | tail -40
   done
 fi

@@ -2,6 +2,10 @@
 the allocator's segments grouped by the Python line that made them.
 
     python bench/vram_breakdown.py MODEL.gguf [--cpu-moe] [--pcie-experts K] [--seqs 16] [--pp 128] [--tg 16]
+                                   [--ctx 256 --batch 2048 --ubatch 512]
+
+--ctx/--batch/--ubatch: a slot's context, -b and -ub, as a server runs with them (`tandem serve -np 16 -c 256 -b 2048
+-ub 512` against llama-server's defaults; default: pp + tg, 512, -b).
 
 Stages: after load, after one sequence's prefill and decode, after N sequences at once (bench's run_concurrent).
 At each: the driver's used memory over what it was before this process touched the GPU, torch's reserved and
@@ -45,14 +49,18 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=16)
     p.add_argument("-t", "--threads", type=int, default=16)
+    p.add_argument("--ctx", type=int, help="a slot's context (default: pp + tg)")
+    p.add_argument("--batch", type=int, default=512, help="-b: the tokens a step schedules")
+    p.add_argument("--ubatch", type=int, help="-ub: the tokens one computation takes (default: -b)")
     args = p.parse_args()
 
     driver = _open_source()
     baseline = driver.used() if driver is not None else None  # before this process's CUDA context
     sampler = VramSampler().start()
     torch.cuda.memory._record_memory_history(max_entries=200_000, context="all", stacks="python")
+    n_ctx = args.ctx or args.pp + args.tg
     print(f"{args.model}: --cpu-moe {args.cpu_moe}, --pcie-experts {args.pcie_experts}, {args.seqs} slots of "
-          f"{args.pp + args.tg} tokens")  # fmt: skip
+          f"{n_ctx} tokens, -b {args.batch} -ub {args.ubatch or args.batch}")  # fmt: skip
     print(
         "| stage | s | driver MiB | torch reserved | allocated | peak allocated | peak reserved | driver - reserved |"
     )
@@ -68,8 +76,8 @@ def main() -> int:
               f"{torch.cuda.memory_allocated() / MIB:,.0f} | {torch.cuda.max_memory_allocated() / MIB:,.0f} | "
               f"{torch.cuda.max_memory_reserved() / MIB:,.0f} | {gap} |", flush=True)  # fmt: skip
 
-    llm = LLM(args.model, device="cuda", threads=args.threads, n_ctx=args.pp + args.tg, n_parallel=args.seqs,
-              cpu_moe=args.cpu_moe, pcie_experts=args.pcie_experts)  # fmt: skip
+    llm = LLM(args.model, device="cuda", threads=args.threads, n_ctx=n_ctx, n_parallel=args.seqs, n_batch=args.batch,
+              n_ubatch=args.ubatch, cpu_moe=args.cpu_moe, pcie_experts=args.pcie_experts)  # fmt: skip
     stage("loaded")
     plan = llm.plan
     gpu = plan.compute_device
