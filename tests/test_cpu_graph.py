@@ -90,6 +90,19 @@ def test_a_context_that_is_no_multiple_of_the_padding_reads_to_its_end() -> None
     assert np.array_equal(ours, ref), f"max |diff| {np.abs(ours - ref).max()}"
 
 
+def test_flash_attention_reads_to_the_end_of_a_short_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With flash attention the views are 256-cell multiples: at n_ctx 100 the node reads 256 rows, past the pool's
+    rows into its tail (masked), up to the full context: the logits those of a context with room, bit for bit."""
+    monkeypatch.setenv(FLASH_ENV, "1")
+    runs = []
+    for n_ctx in (100, 512):
+        with tandem.LLM(default_model_path(), n_ctx=n_ctx, threads=2, n_batch=64) as llm:
+            graph = _graphs(llm)
+            assert graph.flash and graph.caches[0].rows == n_ctx
+            runs.append(_run(llm, graph, _prompt(90, 7, llm.config.n_vocab), 9))
+    assert np.array_equal(runs[0], runs[1])
+
+
 def test_paths_take_turns_on_one_cache(gemma: tuple[tandem.LLM, StepGraph]) -> None:
     """Each path continues what the other wrote into the slot (the f16 rows and their float32 copies): the same
     logits as the layer path alone over the same pieces (the pieces, not one chunk: where the activation rows are
