@@ -27,6 +27,7 @@ from tandem.layers.moe import MoE
 from tandem.models.cpu_graph import FLASH_ENV, StepGraph
 from tandem.models.cpu_graph.coverage import unsupported
 from tandem.runtime.sampling import Sampler, SamplingParams
+from tandem.state.kv_cache import LayerKV
 from tandem.synth.writer import synthesize
 
 
@@ -101,6 +102,27 @@ def test_flash_attention_reads_to_the_end_of_a_short_context(monkeypatch: pytest
             assert graph.flash and graph.caches[0].rows == n_ctx
             runs.append(_run(llm, graph, _prompt(90, 7, llm.config.n_vocab), 9))
     assert np.array_equal(runs[0], runs[1])
+
+
+def test_flash_graphs_leave_the_layer_paths_transposed_values_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With flash attention the graphs write the rows alone, not the values transposed beside them: where the layer
+    path had transposed positions that a shorter sequence then rewrites through the graphs, the truncation makes
+    it transpose them again (LayerKV.forget), so its next read holds the rows' values."""
+    monkeypatch.setenv(FLASH_ENV, "1")
+    with tandem.LLM(default_model_path(), n_ctx=128, threads=2) as llm:
+        graph, engine = _graphs(llm), llm.engine
+        assert graph.flash
+        engine.runner.cpu_graph = None  # the layer path: 40 positions, their values transposed as it reads them
+        engine.reset()
+        engine.feed(_prompt(40, 1, llm.config.n_vocab))
+        engine.pool.caches[0].truncate(20)
+        engine.runner.cpu_graph = graph  # positions 20.. written again through the graphs
+        engine.feed(_prompt(30, 2, llm.config.n_vocab)[1:])
+        kvs = [layer for layer in engine.pool.caches[0].layers if isinstance(layer, LayerKV)]
+        assert kvs
+        for kv in kvs:
+            _, vt = kv.attention_rows(49, 64)
+            assert torch.equal(vt[..., :49], kv.v[:49].permute(1, 2, 0))
 
 
 def test_paths_take_turns_on_one_cache(gemma: tuple[tandem.LLM, StepGraph]) -> None:

@@ -78,6 +78,11 @@ class LayerKV:
         held = torch.arange(first, end, device=device) % self.rows
         return self.k.index_select(0, held), self.v.index_select(0, held), first
 
+    def forget(self, length: int) -> None:
+        """Positions >= length are to be written again: their transposed values too, whoever rewrites the rows (a
+        CPU step graph with flash attention writes the rows alone)."""
+        self._vt_valid = min(self._vt_valid, length)
+
     def share_transposed(self, vt: torch.Tensor) -> None:
         """Keep the transposed values in vt [H_kv, Dv, C] (a view of a pool-wide tensor that the CPU step graph
         writes along with the rows: tandem.models.cpu_graph), C at least the rows of any padded read. They are
@@ -268,6 +273,9 @@ class KVCache:
             for layer, snap in zip(recurrent, snapshots, strict=True):
                 layer.restore(snap)
             length = at
+        for layer in self.layers:
+            if isinstance(layer, LayerKV):
+                layer.forget(length)
         self.length = length
         del self.tokens[length:]
 

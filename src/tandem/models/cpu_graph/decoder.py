@@ -107,7 +107,8 @@ class _StepBuilder:
             ids=np.zeros(t, dtype=np.int32),
             positions=np.zeros(t, dtype=np.int32),
             rows=np.zeros(t, dtype=np.int32),  # set_rows takes int32 row numbers
-            vt_index={(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
+            # flash attention reads the values where they lie: no transposed copy to write
+            vt_index={} if key.flash else {(g, dv): np.zeros(t * g * dv, dtype=np.int64) for g, dv in geometries},
             masks=[[] if group is not None and j in group.members else
                    [np.zeros((q.n, q.views[k][1]), dtype=np.float16 if key.flash else np.float32)
                     for k in range(len(windows))]
@@ -339,13 +340,15 @@ class _StepBuilder:
                                   spec.scale, y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow)  # fmt: skip
 
     def _store(self, i: int, k: Tensor, v: Tensor, g: int, dv: int) -> None:
-        """The step's keys and values into the pool's rows and its values into the transposed ones (each rounded to
-        the cache's type there), as part of the graph now: the attention's views of the cache come after them."""
+        """The step's keys and values into the pool's rows and, without flash attention, its values into the
+        transposed ones (each rounded to the cache's type there), as part of the graph now: the attention's views of
+        the cache come after them. (The layer path transposes again what it finds out of date: LayerKV.forget.)"""
         ctx, b, t = self.ctx, self.b, self.key.n_tokens
         k_rows, v_rows, vt = self.cache_leaves[i]
         b.expand(ggml.ggml_set_rows(ctx, k_rows, _flat(ctx, k, t), self.rows))  # [G*Hd, T]
         b.expand(ggml.ggml_set_rows(ctx, v_rows, v, self.rows))
-        b.expand(ggml.ggml_set_rows(ctx, vt, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
+        if not self.key.flash:
+            b.expand(ggml.ggml_set_rows(ctx, vt, ggml.ggml_reshape_2d(ctx, v, 1, g * dv * t), self.vt_index[(g, dv)]))
 
     def _cache_views(
         self, i: int, slot: int, first: int, n_keys: int, n_slots: int, g: int, hd: int, dv: int

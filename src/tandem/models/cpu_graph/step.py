@@ -28,9 +28,9 @@ __all__ = ["QUERY_BLOCK", "CacheCopies", "DecodeGroup", "GroupInputs", "Pieces",
 class CacheCopies:
     """One attention layer's cache as the graphs read it, as llama.cpp's holds it for attention without flash
     attention: the pool's rows [N, R, G, Hd] (the keys, read where they lie; the layer path reads them too) and
-    the values transposed [N, G, Dv, C] (C: the context rounded up to KV_PAD), which the graphs write along with
-    the rows. The transposed values are each slot's `LayerKV.attention_rows` too, so the layer path and the graphs
-    can take turns."""
+    the values transposed [N, G, Dv, C] (C: the context rounded up to KV_PAD), which the graphs without flash
+    attention write along with the rows (with it they read the values where they lie). The transposed values are
+    each slot's `LayerKV.attention_rows` too, so the layer path and the graphs can take turns."""
 
     pool: KVPool
     vt: torch.Tensor
