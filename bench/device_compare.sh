@@ -102,7 +102,7 @@
 #   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
 #     by stage, and torch's segments by the line that made them; VRAM_BREAKDOWN_FLAGS="--ctx 256 --batch 2048
-#     --ubatch 512" as a server runs)
+#     --ubatch 512" as a server runs; a placement ending +expandable runs with torch's expandable segments)
 #   HOT="static uniform drift long" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
 #     qwen3-30b-a3b models with skewed routing, and the budget's peak VRAM with a prompt past -b; its models synthesised and their statistics recorded while
 #     llama.cpp builds, or with a carried build each step's just before its runs; HOT_BUDGET=10GiB
@@ -327,11 +327,12 @@ if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; the
   for placement in $VRAM_BREAKDOWN; do
     flags=()
     [[ $placement == cpu-moe* ]] && flags=(--cpu-moe)
-    [[ $placement =~ \+pcie([0-9]+)$ ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
+    [[ $placement =~ \+pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
+    alloc="${PYTORCH_CUDA_ALLOC_CONF:-}"
+    [[ $placement == *+expandable* ]] && alloc="expandable_segments:True"
     say "VRAM breakdown $placement: bench/vram_breakdown.py ${flags[*]}"
-    timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" bench/vram_breakdown.py "${early[0]}" -t "$THREADS" "${flags[@]}" \
-      ${VRAM_BREAKDOWN_FLAGS:-} \
-      2>&1 | grep -vE "Warning|warn\(" | tail -40
+    PYTORCH_CUDA_ALLOC_CONF="$alloc" timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" bench/vram_breakdown.py \
+      "${early[0]}" -t "$THREADS" "${flags[@]}" ${VRAM_BREAKDOWN_FLAGS:-} 2>&1 | grep -vE "Warning|warn\(" | tail -50
   done
 fi
 
@@ -478,6 +479,9 @@ for k in "${!targets[@]}"; do
         --out "/tmp/http_${name}_$placement" >"/tmp/http_${name}_$placement.out" 2>&1
       say "http $name $placement: exit $?"
       cat "/tmp/http_${name}_$placement.out"
+      # where each server's VRAM goes by its own account (llama.cpp's buffers; tandem's plan)
+      grep -hE "CUDA0.*buffer size|KV buffer size|compute buffer size|graph splits|VRAM|plan:" \
+        "/tmp/http_${name}_$placement"/server_*.log 2>/dev/null | cut -c1-300 | head -30
     done
   fi
   for variant in ${AB:-}; do  # tandem alone, --cpu-moe, once per variant (see AB above); the table in the log

@@ -209,6 +209,47 @@ def test_a_step_of_b_tokens_runs_in_pieces_of_ub(tiny_qwen3moe_gguf: tuple[Path,
     assert batched == alone and all(len(t) == 6 for t in alone)
 
 
+def _prompts_of_a_run_each(llm: tandem.LLM) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts of exactly -ub tokens that arrive together, under -b 3 x -ub: each is one run of the step and
+    ends in it (on a GPU without host ops, each run is the same captured prompt-chunk graph). Their greedy tokens
+    in that step's engine, and alone."""
+    engine, n_vocab = llm.engine, llm.tokenizer.n_vocab
+    prompts = [_prompt(16, 70 + i, n_vocab) for i in range(3)]
+    seqs = [engine.add_request(prompt, _greedy(), 5, frozenset()) for prompt in prompts]
+    while engine.has_work:
+        engine.step()
+    return [s.output for s in seqs], _run_alone(llm, [(prompt, 5, 0) for prompt in prompts])
+
+
+def test_each_run_of_a_step_keeps_its_own_logits(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
+    """A step's runs whose logits come back in one buffer that the next run rewrites (as a replayed graph's output
+    does): each prompt still gets its own first token."""
+    flags = dict(device="cpu", cache_type="f32", threads=2, n_ctx=64, n_batch=48, n_ubatch=16, n_parallel=3)
+    with tandem.LLM(tiny_qwen3moe_gguf[1], **flags) as llm:  # type: ignore[arg-type]
+        run = llm.engine.runner.run
+        shared: dict[tuple[int, ...], torch.Tensor] = {}
+
+        def replayed(pieces, all_logits=False):  # type: ignore[no-untyped-def]
+            logits = run(pieces, all_logits)
+            out = shared.setdefault(tuple(logits.shape), torch.empty_like(logits))
+            return out.copy_(logits)
+
+        llm.engine.runner.run = replayed  # type: ignore[method-assign]
+        batched, alone = _prompts_of_a_run_each(llm)
+    assert batched == alone and all(len(t) == 5 for t in alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with -m gpu on the device)")
+def test_gpu_prompt_chunk_graphs_of_one_step(tiny_qwen3_gguf: tuple[Path, Path]) -> None:
+    """The same with the captured prompt-chunk graph (every weight in VRAM) run three times in one step."""
+    flags = dict(device="cuda", dtype="f32", cache_type="f32", threads=2, n_ctx=64, n_batch=48, n_ubatch=16)
+    with tandem.LLM(tiny_qwen3_gguf[1], n_parallel=3, **flags) as llm:  # type: ignore[arg-type]
+        batched, alone = _prompts_of_a_run_each(llm)
+        assert llm.engine.runner.captured_chunks(), "no prompt chunk was captured"
+    assert batched == alone and all(len(t) == 5 for t in alone)
+
+
 def test_abort_frees_the_slot_and_reuses_the_prefix(tiny_qwen3moe_gguf: tuple[Path, Path]) -> None:
     """An aborted sequence's slot takes the next request; a request that starts with a finished sequence's tokens
     gets that slot and computes only the rest (the next turn of a chat)."""

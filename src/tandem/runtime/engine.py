@@ -144,11 +144,12 @@ class Engine:
     def _run_part(
         self, run: list[tuple[int, list[int]]], ends: list[int | None], rows: list[torch.Tensor | None]
     ) -> None:
-        """One run of `_run`: its logits kept for the pieces it ends."""
+        """One run of `_run`: its logits kept for the pieces it ends (copied: a captured step's logits are its
+        graph's output, which the next run's replay rewrites)."""
         logits = self.runner.run(list(run))
         for end, row in zip(ends, logits, strict=True):
             if end is not None:
-                rows[end] = row
+                rows[end] = row.clone()
         run.clear()
         ends.clear()
 

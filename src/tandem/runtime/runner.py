@@ -97,7 +97,10 @@ class ModelRunner:
         self.cpu_graph = StepGraph.create(model, pool) if model.reduce is None else None
         self._graphs: dict[tuple[bool, int, int], CapturedStep] = {}  # (decode, rows, key rows) -> its graph
         self._warm: set[tuple[bool, int, int]] = set()  # run once eagerly: that compiles what the capture records
-        self._chunk_pool: tuple[int, int] | None = None  # the graph memory the chunk graphs share
+        # The graph memory every captured step shares: no two of them run at once, and a step's output is read
+        # before the next step replays (a pool per bucket kept each bucket's working set reserved: as llama.cpp's
+        # one compute buffer, the steps' largest is what stays)
+        self._graph_pool: tuple[int, int] | None = None
 
     def captured(self, size: int = 1) -> CapturedStep | None:
         """The captured decode step of `size` rows, once it has been captured."""
@@ -143,7 +146,7 @@ class ModelRunner:
         if key in self._graphs:
             return self._graphs[key](batch)
         if batch.decode and key in self._warm:
-            self._graphs[key] = CapturedStep(self.model, self.pool, batch)
+            self._graphs[key] = CapturedStep(self.model, self.pool, batch, self._shared_graph_pool())
             return self._graphs[key](batch)
         self._warm.add(key)
         logits = self.model.forward(batch, self.pool)
@@ -151,16 +154,19 @@ class ModelRunner:
             self._capture_chunk(key, batch)
         return logits
 
+    def _shared_graph_pool(self) -> tuple[int, int]:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
     def _capture_chunk(self, key: tuple[bool, int, int], batch: StepBatch) -> None:
         """Capture a prompt chunk's step for its next replays. A model with an operation that cannot be captured
         (float experts read their routing on the host past 32 slots: cuda/weights.py DenseExperts) keeps its
         chunks eager."""
-        if self._chunk_pool is None:
-            self._chunk_pool = torch.cuda.graph_pool_handle()
         # the blocks the eager chunk left in torch's cache go back to the driver: the graph's pool is about the
         # same working set, and both at once would be that much more VRAM
         torch.cuda.empty_cache()
-        step = CapturedStep(self.model, self.pool, batch, self._chunk_pool)
+        step = CapturedStep(self.model, self.pool, batch, self._shared_graph_pool())
         try:
             step.capture()
         except RuntimeError:  # torch.AcceleratorError: an operation not permitted while capturing
