@@ -102,7 +102,10 @@
 #   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
 #     by stage, and torch's segments by the line that made them; VRAM_BREAKDOWN_FLAGS="--ctx 256 --batch 2048
-#     --ubatch 512" as a server runs; a placement ending +expandable runs with torch's expandable segments)
+#     --ubatch 512" as a server runs; a placement ending +expandable runs with torch's expandable segments, +fixed
+#     without them, torch's default: tandem's is with them, runtime/devices.py)
+#   VRAM_CONTEXT=1 (while the build runs, on the first model: bench/vram_context.py, the driver's memory after a
+#     bare context, cuBLAS's first products and page-locking the model file's mapping)
 #   HOT="static uniform drift long" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
 #     qwen3-30b-a3b models with skewed routing, and the budget's peak VRAM with a prompt past -b; its models synthesised and their statistics recorded while
 #     llama.cpp builds, or with a carried build each step's just before its runs; HOT_BUDGET=10GiB
@@ -323,6 +326,11 @@ if [[ -n "${PROFILE_BATCHED:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; th
   grep -vE "Warning|warn\(" /tmp/profile_batched.log | tail -120
 fi
 
+if [[ "${VRAM_CONTEXT:-0}" == 1 && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
+  say "VRAM outside torch's allocator, piece by piece: bench/vram_context.py"
+  timeout -k 10 60 "$PY" bench/vram_context.py "${early[0]}" 2>&1 | grep -vE "Warning|warn\(" | tail -12
+fi
+
 if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
   for placement in $VRAM_BREAKDOWN; do
     flags=()
@@ -330,6 +338,7 @@ if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; the
     [[ $placement =~ \+pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
     alloc="${PYTORCH_CUDA_ALLOC_CONF:-}"
     [[ $placement == *+expandable* ]] && alloc="expandable_segments:True"
+    [[ $placement == *+fixed* ]] && alloc="expandable_segments:False"  # torch's own default, not tandem's
     say "VRAM breakdown $placement: bench/vram_breakdown.py ${flags[*]}"
     PYTORCH_CUDA_ALLOC_CONF="$alloc" timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" bench/vram_breakdown.py \
       "${early[0]}" -t "$THREADS" "${flags[@]}" ${VRAM_BREAKDOWN_FLAGS:-} 2>&1 | grep -vE "Warning|warn\(" | tail -50

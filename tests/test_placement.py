@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,23 @@ def test_pcie_experts_is_checked_before_loading(
     assert "the GPU computes 1 of each token's 2 experts in host RAM" in capsys.readouterr().out
     assert main(["inspect", "-m", str(q8), "--device", "cuda", "--pcie-experts", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: --pcie-experts 1: no routed experts are in host RAM")
+
+
+def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU run gives torch's allocator expandable segments; a user's own allocator settings, or a process that
+    started CUDA already, keep theirs."""
+    from tandem.runtime import devices
+
+    for name in devices.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(devices.torch.cuda, "is_initialized", lambda: False)
+    devices.prefer_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    devices.prefer_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setattr(devices.torch.cuda, "is_initialized", lambda: True)
+    devices.prefer_expandable_segments()
+    assert not any(name in os.environ for name in devices.ALLOCATOR_ENV)

@@ -24,7 +24,13 @@ from tandem.placement.plan import kv_cache_bytes
 from tandem.placement.stats import ExpertStats
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.types import check_supported
-from tandem.runtime.devices import DTYPES, check_executable, check_pcie_experts, resolve_device
+from tandem.runtime.devices import (
+    DTYPES,
+    check_executable,
+    check_pcie_experts,
+    prefer_expandable_segments,
+    resolve_device,
+)
 from tandem.runtime.engine import Engine
 from tandem.runtime.generate import TextStream, generate_tokens
 from tandem.runtime.runner import ModelRunner
@@ -194,6 +200,8 @@ class LLM:
             moe_cache=moe_cache,
             moe_cache_refresh=moe_cache_refresh,
         )
+        if request.device != "cpu":
+            prefer_expandable_segments()
         shape = RuntimeShape(
             n_ctx=n_ctx, n_batch=n_batch, cache_bytes_per_value=CACHE_DTYPES[cache_type].itemsize, n_seq=n_parallel
         )

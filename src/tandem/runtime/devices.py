@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tandem.errors import PlacementError, TandemError
@@ -22,6 +24,21 @@ def resolve_device(device: str | None, n_gpu_layers: int | None = None) -> str:
     if device is not None:
         return device
     return "cpu" if n_gpu_layers == 0 else default_device()
+
+
+# torch's caching allocator maps its blocks into segments that grow and shrink page by page: without them, the
+# prefill's and the decode steps' blocks of other sizes stay cached in fixed segments beside the ones in use
+# (docs/PERFORMANCE.md, session 34: ~460 MiB of a 16-slot server's peak).
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def prefer_expandable_segments() -> None:
+    """Give torch's CUDA allocator ALLOCATOR_SETTINGS, unless the user set its settings or this process has
+    initialised CUDA already (its allocator then has the settings it read)."""
+    if any(name in os.environ for name in ALLOCATOR_ENV) or torch.cuda.is_initialized():
+        return
+    os.environ[ALLOCATOR_ENV[0]] = ALLOCATOR_SETTINGS
 
 
 def check_executable(plan: PlacementPlan) -> None:
