@@ -16,9 +16,9 @@ before tandem loads anything. Each stage also gives the context's per-thread sta
 keeps local memory for that many bytes times every thread the GPU can hold, and grows it for good when a kernel
 that needs more is launched. Then the plan's figures (weights, KV pool, workspace, staging window, expert cache)
 and torch's segments by memory pool (the default one, or a CUDA graph's) and by the first frame inside tandem of
-the allocation that made them. Run it again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to see what the
-caching allocator's fragmentation costs. For the gap between tandem's batched `--cpu-moe` runs and llama.cpp's
-(docs/PERFORMANCE.md, sessions 15 and 34).
+the allocation that made them. tandem gives torch's allocator expandable segments unless PYTORCH_CUDA_ALLOC_CONF
+is set: run it again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False to see what fixed segments cost. For
+the gap between tandem's batched `--cpu-moe` runs and llama.cpp's (docs/PERFORMANCE.md, sessions 15 and 34).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from tandem import LLM
 from tandem.bench.runner import run_concurrent, time_prefill_decode
 from tandem.bench.vram import VramSampler, _open_source
+from tandem.runtime.devices import prefer_expandable_segments
 
 MIB = 2**20
 
@@ -71,6 +72,7 @@ def main() -> int:
     p.add_argument("--ubatch", type=int, help="-ub: the tokens one computation takes (default: -b)")
     args = p.parse_args()
 
+    prefer_expandable_segments()  # as tandem.LLM does, before this script's own first CUDA call
     driver = _open_source()
     baseline = driver.used() if driver is not None else None  # before this process's CUDA context
     sampler = VramSampler().start()
