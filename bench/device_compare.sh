@@ -340,8 +340,9 @@ if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; the
     [[ $placement == *+expandable* ]] && alloc="expandable_segments:True"
     [[ $placement == *+fixed* ]] && alloc="expandable_segments:False"  # torch's own default, not tandem's
     say "VRAM breakdown $placement: bench/vram_breakdown.py ${flags[*]}"
-    PYTORCH_CUDA_ALLOC_CONF="$alloc" timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" bench/vram_breakdown.py \
-      "${early[0]}" -t "$THREADS" "${flags[@]}" ${VRAM_BREAKDOWN_FLAGS:-} 2>&1 | grep -vE "Warning|warn\(" | tail -50
+    env ${alloc:+PYTORCH_CUDA_ALLOC_CONF="$alloc"} timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" \
+      bench/vram_breakdown.py "${early[0]}" -t "$THREADS" "${flags[@]}" ${VRAM_BREAKDOWN_FLAGS:-} 2>&1 |
+      grep -vE "Warning|warn\(" | tail -50
   done
 fi
 

@@ -5,19 +5,22 @@ the GPU maps those pages, and its page tables are in VRAM).
 
     python bench/vram_context.py MODEL.gguf
 
-For `bench/vram_breakdown.py`'s "driver - reserved" column: the context alone against the same after loading.
+First, whether torch's allocator took the expandable segments tandem asks for (runtime/devices.py). For
+`bench/vram_breakdown.py`'s "driver - reserved" column: the context alone against the same after loading.
 """
 
 from __future__ import annotations
 
 import argparse
 import mmap
+import os
 
 import numpy as np
 import torch
 
 from tandem.bench.vram import _open_source
 from tandem.cuda.host_memory import register_host
+from tandem.runtime.devices import prefer_expandable_segments
 
 MIB = 2**20
 
@@ -43,8 +46,15 @@ def main() -> int:
               f"{torch.cuda.memory_reserved() / MIB:,.0f} |", flush=True)  # fmt: skip
         last = used
 
+    prefer_expandable_segments()  # as tandem.LLM does: is it in effect when set after `import torch`?
     torch.empty(1, device="cuda")
     stage("CUDA context")
+    probe = [torch.empty(30 * MIB, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    segments = sum(1 for seg in torch.cuda.memory_snapshot() if seg["total_size"] >= 30 * MIB)
+    print(f"allocator: three 30 MiB tensors in {segments} segment(s) ({'expandable' if segments == 1 else 'fixed'} "
+          f"segments; PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r})")  # fmt: skip
+    del probe
+    torch.cuda.empty_cache()
     a = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     _ = a @ b

@@ -230,6 +230,7 @@ def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch: pyte
     for name in devices.ALLOCATOR_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(devices.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "")  # set, but to nothing: no setting of the user's
     devices.prefer_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")

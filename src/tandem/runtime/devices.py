@@ -36,7 +36,7 @@ ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 def prefer_expandable_segments() -> None:
     """Give torch's CUDA allocator ALLOCATOR_SETTINGS, unless the user set its settings or this process has
     initialised CUDA already (its allocator then has the settings it read)."""
-    if any(name in os.environ for name in ALLOCATOR_ENV) or torch.cuda.is_initialized():
+    if any(os.environ.get(name) for name in ALLOCATOR_ENV) or torch.cuda.is_initialized():
         return
     os.environ[ALLOCATOR_ENV[0]] = ALLOCATOR_SETTINGS
 
