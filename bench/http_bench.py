@@ -154,6 +154,7 @@ class Row:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
+    ttft_ms_by_round: list[list[float]] = field(default_factory=list)  # each round's, sorted: when prompts started
     stream_tps: float | None = None
     agg_tps: float | None = None
     all_tps: float | None = None
@@ -187,6 +188,7 @@ def summarize(server: str, n: int, rounds: list[Round], asked: int) -> Row:
         row.finish_reasons[reason] = row.finish_reasons.get(reason, 0) + 1
     ttfts = [s.ttft * 1e3 for s in ok if s.ttft is not None]
     row.ttft_p50_ms, row.ttft_p99_ms = percentile(ttfts, 50), percentile(ttfts, 99)
+    row.ttft_ms_by_round = [sorted(round(s.ttft * 1e3, 1) for s in r.ok if s.ttft is not None) for r in rounds]
     tps = [t for s in ok if (t := s.decode_tps) is not None]
     row.stream_tps = statistics.median(tps) if tps else None
     agg = [t for r in rounds if (t := r.decode_tps) is not None]
