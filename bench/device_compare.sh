@@ -485,12 +485,13 @@ for k in "${!targets[@]}"; do
       say "http $name $placement: concurrency $HTTP, $part s"
       timeout -s TERM -k 20 "$part" "$PY" bench/http_bench.py -m "$model" --concurrency "$HTTP" "${servers[@]}" \
         --prompt-tokens "${HTTP_PP:-128}" --max-tokens "${HTTP_TG:-64}" --reps "${HTTP_REPS:-2}" \
-        --flags "${flags[*]}" --llama-flags "-ngl $ngl" ${tflags:+--tandem-flags "$tflags"} --budget "$(( part - 25 ))" --start-timeout "$(( part / 3 ))" \
+        --flags "${flags[*]}" --llama-flags "-ngl $ngl -lv 4" ${tflags:+--tandem-flags "$tflags"} --budget "$(( part - 25 ))" --start-timeout "$(( part / 3 ))" \
         --out "/tmp/http_${name}_$placement" >"/tmp/http_${name}_$placement.out" 2>&1
       say "http $name $placement: exit $?"
       cat "/tmp/http_${name}_$placement.out"
-      # where each server's VRAM goes by its own account (llama.cpp's buffers; tandem's plan)
-      grep -hE "CUDA0.*buffer size|KV buffer size|compute buffer size|graph splits|VRAM|plan:" \
+      # where each server's VRAM goes by its own account (llama-server's memory breakdown and buffers, printed at
+      # -lv 4: its default verbosity leaves them out)
+      grep -hE "memory_breakdown_print|buffer size|graph splits" \
         "/tmp/http_${name}_$placement"/server_*.log 2>/dev/null | cut -c1-300 | head -30
     done
   fi
