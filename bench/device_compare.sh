@@ -102,8 +102,8 @@
 #   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
 #     by stage, and torch's segments by the line that made them; VRAM_BREAKDOWN_FLAGS="--ctx 256 --batch 2048
-#     --ubatch 512" as a server runs; a placement ending +expandable runs with torch's expandable segments, +fixed
-#     without them, torch's default: tandem's is with them, runtime/devices.py)
+#     --ubatch 512" as a server runs; a placement ending +fixed runs without torch's expandable segments, which
+#     tandem asks for by default: runtime/devices.py)
 #   VRAM_CONTEXT=1 (while the build runs, on the first model: bench/vram_context.py, the driver's memory after a
 #     bare context, cuBLAS's first products and page-locking the model file's mapping)
 #   HOT="static uniform drift long" (after the build: bench/hot_experts.sh, issue 21's bars on synthetic
@@ -337,7 +337,6 @@ if [[ -n "${VRAM_BREAKDOWN:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; the
     [[ $placement == cpu-moe* ]] && flags=(--cpu-moe)
     [[ $placement =~ \+pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
     alloc="${PYTORCH_CUDA_ALLOC_CONF:-}"
-    [[ $placement == *+expandable* ]] && alloc="expandable_segments:True"
     [[ $placement == *+fixed* ]] && alloc="expandable_segments:False"  # torch's own default, not tandem's
     say "VRAM breakdown $placement: bench/vram_breakdown.py ${flags[*]}"
     env ${alloc:+PYTORCH_CUDA_ALLOC_CONF="$alloc"} timeout -k 10 "${VRAM_BREAKDOWN_S:-120}" "$PY" \

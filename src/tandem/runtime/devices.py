@@ -27,8 +27,7 @@ def resolve_device(device: str | None, n_gpu_layers: int | None = None) -> str:
 
 
 # torch's caching allocator maps its blocks into segments that grow and shrink page by page: without them, the
-# prefill's and the decode steps' blocks of other sizes stay cached in fixed segments beside the ones in use
-# (docs/PERFORMANCE.md, session 34: ~460 MiB of a 16-slot server's peak).
+# prefill's and the decode steps' blocks of other sizes stay cached in fixed segments beside the ones in use.
 ALLOCATOR_SETTINGS = "expandable_segments:True"
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
