@@ -98,7 +98,8 @@
 #     batch by `_qmv` and by `_grouped_qmm`, per batch size, and which one qmatmul_id picks)
 #   PROFILE_BATCHED=16 (while the build runs, on the first model: bench/profile_batched.py, a decode step of that
 #     many sequences and their prefill taken apart by GPU kernel, per PROFILE_BATCHED_PLACEMENTS=all,cpu-moe;
-#     bounded by PROFILE_BATCHED_S=240)
+#     bounded by PROFILE_BATCHED_S=240; PROFILE_BATCHED_FLAGS=--host-ops times ggml's experts in the step and
+#     alone, after the build, which would share the CPU)
 #   VRAM_BREAKDOWN="cpu-moe cpu-moe+pcie3" (while the build runs, on the first model: bench/vram_breakdown.py per
 #     placement (all, cpu-moe, NAME+pcieK), 16 sequences: the driver's memory against torch's and the plan's, stage
 #     by stage, and torch's segments by the line that made them; VRAM_BREAKDOWN_FLAGS="--ctx 256 --batch 2048
@@ -319,9 +320,11 @@ if [[ "${EXPERT_KERNELS:-0}" == 1 && "$DEVICE" != cpu ]]; then  # a few seconds:
 fi
 
 if [[ -n "${PROFILE_BATCHED:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
+  if [[ "${PROFILE_BATCHED_FLAGS:-}" == *--host-ops* ]]; then while building; do sleep 2; done; fi
   say "profile of batched steps: ${PROFILE_BATCHED} sequences, ${PROFILE_BATCHED_PLACEMENTS:-all,cpu-moe}"
   timeout -k 10 "${PROFILE_BATCHED_S:-240}" "$PY" bench/profile_batched.py "${early[0]}" --seqs "$PROFILE_BATCHED" \
-    --placements "${PROFILE_BATCHED_PLACEMENTS:-all,cpu-moe}" -t "$THREADS" >/tmp/profile_batched.log 2>&1 ||
+    --placements "${PROFILE_BATCHED_PLACEMENTS:-all,cpu-moe}" -t "$THREADS" ${PROFILE_BATCHED_FLAGS:-} \
+    >/tmp/profile_batched.log 2>&1 ||
     say "profile_batched: exit $?"
   grep -vE "Warning|warn\(" /tmp/profile_batched.log | tail -120
 fi

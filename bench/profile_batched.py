@@ -2,7 +2,7 @@
 prefilled together, per placement.
 
     python bench/profile_batched.py MODEL [--placements all,cpu-moe] [--seqs 16] [-t 16] [--pp 128] [--ctx N]
-        [--host 25] [--sampler]
+        [--host 25] [--sampler] [--host-ops]
 
 For each placement: the wall time of a decode step of N rows (the mean over 16 steps), the GPU kernels of a few
 such steps (torch profiler, graph replays included) by total GPU time, with their count per step, and the same
@@ -16,6 +16,7 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 from torch.autograd import DeviceType
@@ -54,6 +55,68 @@ def _table(prof: profile, steps: int, rows: int) -> str:
     return "\n".join(lines)
 
 
+class HostOpTimes:
+    """Times ggml's CPU experts where the decode step runs them: OffloadedExperts' prepared host calls wrapped
+    (before the model loads), each layer's latest kept to be run again alone."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.latest: dict[tuple[int, int], Callable[[], None]] = {}  # (layer's op, rows) -> its prepared call
+
+    def install(self) -> None:
+        from tandem.weights.offload import OffloadedExperts
+
+        original = OffloadedExperts._bind
+
+        def timed_bind(
+            experts: OffloadedExperts, xs: list[torch.Tensor], out: torch.Tensor
+        ) -> Callable[[], None] | None:
+            bound = original(experts, xs, out)
+            if bound is None:
+                return None
+            self.latest[(id(experts), int(xs[1].shape[0]))] = bound
+
+            def run() -> None:
+                t0 = time.perf_counter()
+                bound()
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+            return run
+
+        OffloadedExperts._bind = timed_bind  # type: ignore[method-assign]
+
+    def report(self, llm: tandem.LLM, n: int, pp: int, steps: int = 16, repeats: int = 5) -> str:
+        engine = llm.engine
+        seqs = _admit(llm, n, pp, steps + 8, seed=23)
+        while not all(s.n_output for s in seqs):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        _sync()
+        self.seconds, self.calls = 0.0, 0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = (time.perf_counter() - t0) / steps * 1e3
+        in_step, calls = self.seconds / steps * 1e3, self.calls / steps
+        ops = [run for (_, rows), run in self.latest.items() if rows == n]
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for run in ops:
+                run()
+        alone = (time.perf_counter() - t0) / repeats * 1e3
+        while engine.has_work:
+            engine.step()
+        return (
+            f"ggml's experts in a decode step of {n} rows: {wall:.2f} ms wall per step, {in_step:.2f} ms in "
+            f"{calls:.0f} host calls ({in_step / wall:.0%}); the {len(ops)} layers' last calls again, back to "
+            f"back: {alone:.2f} ms"
+        )
+
+
 def _host_profile(llm: tandem.LLM, n: int, pp: int, rows: int) -> str:
     """The host's time in one prefill of n prompts by function, the largest own times first."""
     seqs = _admit(llm, n, pp, 4, seed=11)
@@ -75,7 +138,15 @@ def _host_profile(llm: tandem.LLM, n: int, pp: int, rows: int) -> str:
 
 
 def profile_placement(
-    path: str, name: str, n: int, pp: int, threads: int, rows: int, ctx: int | None = None, host: int = 0
+    path: str,
+    name: str,
+    n: int,
+    pp: int,
+    threads: int,
+    rows: int,
+    ctx: int | None = None,
+    host: int = 0,
+    host_ops: HostOpTimes | None = None,
 ) -> None:
     start = time.perf_counter()
     llm = tandem.LLM(path, n_ctx=ctx or pp + 64, n_parallel=n, threads=threads, **PLACEMENTS[name])
@@ -122,6 +193,8 @@ def profile_placement(
     print(f"decode step of {n} rows (profiled: {wall:.2f} ms wall per step):\n{_table(decode, steps, rows)}")
     while engine.has_work:
         engine.step()
+    if host_ops is not None and host_ops.latest:
+        print(host_ops.report(llm, n, pp), flush=True)
     llm.close()
     torch.cuda.empty_cache()
 
@@ -137,12 +210,16 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=None, help="context size (default: pp + 64)")
     p.add_argument("--host", type=int, default=0, help="functions listed in the prefill's host profile (0: none)")
     p.add_argument("--sampler", action="store_true", help="the bench worker's VRAM sampler thread runs meanwhile")
+    p.add_argument("--host-ops", action="store_true", help="time ggml's experts in the decode step and alone")
     args = p.parse_args()
+    host_ops = HostOpTimes() if args.host_ops else None
+    if host_ops is not None:
+        host_ops.install()
     from tandem.bench.vram import VramSampler
 
     sampler = VramSampler().start() if args.sampler else None
     for name in args.placements.split(","):
-        profile_placement(args.model, name, args.seqs, args.pp, args.threads, args.rows, args.ctx, args.host)
+        profile_placement(args.model, name, args.seqs, args.pp, args.threads, args.rows, args.ctx, args.host, host_ops)
     if sampler is not None:
         sampler.stop()
 
