@@ -55,6 +55,32 @@ def _table(prof: profile, steps: int, rows: int) -> str:
     return "\n".join(lines)
 
 
+def _threads() -> str:
+    """The process's threads by name, and what libgomp takes for the CPUs: ggml's and torch's OpenMP teams share
+    one libgomp, which stops spinning at barriers once the teams' threads outnumber its CPUs."""
+    import collections
+    import ctypes
+    import os
+
+    names = collections.Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[f.read().strip()] += 1
+        except OSError:
+            continue
+    gomp = ctypes.CDLL("libgomp.so.1")
+    maps = sorted({line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line})
+    return (
+        f"threads {sum(names.values())}: {dict(names.most_common())}; libgomp omp_get_num_procs "
+        f"{gomp.omp_get_num_procs()}, omp_get_max_threads {gomp.omp_get_max_threads()}; loaded {maps}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}"
+    )
+
+
+GAP_S = 250e-6  # about the GPU's part of a layer between two host calls of a 16-row step
+
+
 class HostOpTimes:
     """Times ggml's CPU experts where the decode step runs them: OffloadedExperts' prepared host calls wrapped
     (before the model loads), each layer's latest kept to be run again alone."""
@@ -108,12 +134,21 @@ class HostOpTimes:
             for run in ops:
                 run()
         alone = (time.perf_counter() - t0) / repeats * 1e3
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for run in ops:
+                run()
+                until = time.perf_counter() + GAP_S
+                while time.perf_counter() < until:  # the host spins while the GPU computes the layer's other part
+                    pass
+        apart = (time.perf_counter() - t0) / repeats * 1e3 - len(ops) * GAP_S * 1e3
         while engine.has_work:
             engine.step()
         return (
+            f"{_threads()}\n"
             f"ggml's experts in a decode step of {n} rows: {wall:.2f} ms wall per step, {in_step:.2f} ms in "
             f"{calls:.0f} host calls ({in_step / wall:.0%}); the {len(ops)} layers' last calls again, back to "
-            f"back: {alone:.2f} ms"
+            f"back: {alone:.2f} ms; {GAP_S * 1e3:.2f} ms apart: {apart:.2f} ms"
         )
 
 
