@@ -7,6 +7,9 @@ prefilled together, per placement.
 For each placement: the wall time of a decode step of N rows (the mean over 16 steps), the GPU kernels of a few
 such steps (torch profiler, graph replays included) by total GPU time, with their count per step, and the same
 for the prefill of N prompts of PP tokens. What bench/batched_compare.py measures end to end, taken apart.
+With --host-ops (`--cpu-moe` placements whose experts all compute on the CPU): how long ggml's experts take where
+the captured decode step runs them, and the same calls again on the step's last inputs, back to back and with a GPU
+layer's time between them (are they slower in the step, and is it the pause?).
 """
 
 from __future__ import annotations
@@ -245,7 +248,9 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=None, help="context size (default: pp + 64)")
     p.add_argument("--host", type=int, default=0, help="functions listed in the prefill's host profile (0: none)")
     p.add_argument("--sampler", action="store_true", help="the bench worker's VRAM sampler thread runs meanwhile")
-    p.add_argument("--host-ops", action="store_true", help="time ggml's experts in the decode step and alone")
+    p.add_argument(
+        "--host-ops", action="store_true", help="time ggml's experts in the decode step and alone (--cpu-moe alone)"
+    )
     args = p.parse_args()
     host_ops = HostOpTimes() if args.host_ops else None
     if host_ops is not None:
