@@ -15,8 +15,11 @@ layer's time between them (are they slower in the step, and is it the pause?).
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
+import ctypes
 import io
+import os
 import pstats
 import time
 from collections.abc import Callable
@@ -61,10 +64,6 @@ def _table(prof: profile, steps: int, rows: int) -> str:
 def _threads() -> str:
     """The process's threads by name, and what libgomp takes for the CPUs: ggml's and torch's OpenMP teams share
     one libgomp, which stops spinning at barriers once the teams' threads outnumber its CPUs."""
-    import collections
-    import ctypes
-    import os
-
     names = collections.Counter()
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -73,7 +72,8 @@ def _threads() -> str:
         except OSError:
             continue
     gomp = ctypes.CDLL("libgomp.so.1")
-    maps = sorted({line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line})
+    with open("/proc/self/maps") as f:
+        maps = sorted({line.split()[-1] for line in f if "gomp" in line})
     return (
         f"threads {sum(names.values())}: {dict(names.most_common())}; libgomp omp_get_num_procs "
         f"{gomp.omp_get_num_procs()}, omp_get_max_threads {gomp.omp_get_max_threads()}; loaded {maps}; "
@@ -82,6 +82,19 @@ def _threads() -> str:
 
 
 GAP_S = 250e-6  # about the GPU's part of a layer between two host calls of a 16-row step
+
+
+def _replay_ms(ops: list[Callable[[], None]], repeats: int, gap_s: float) -> float:
+    """ms to run every op once, `gap_s` of spinning after each (as the host spins while the GPU computes the
+    layer's other part) left out; the mean over `repeats`."""
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for run in ops:
+            run()
+            until = time.perf_counter() + gap_s
+            while time.perf_counter() < until:
+                pass
+    return ((time.perf_counter() - t0) / repeats - len(ops) * gap_s) * 1e3
 
 
 class HostOpTimes:
@@ -132,19 +145,7 @@ class HostOpTimes:
         wall = (time.perf_counter() - t0) / steps * 1e3
         in_step, calls = self.seconds / steps * 1e3, self.calls / steps
         ops = [run for (_, rows), run in self.latest.items() if rows == n]
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            for run in ops:
-                run()
-        alone = (time.perf_counter() - t0) / repeats * 1e3
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            for run in ops:
-                run()
-                until = time.perf_counter() + GAP_S
-                while time.perf_counter() < until:  # the host spins while the GPU computes the layer's other part
-                    pass
-        apart = (time.perf_counter() - t0) / repeats * 1e3 - len(ops) * GAP_S * 1e3
+        alone, apart = (_replay_ms(ops, repeats, gap) for gap in (0.0, GAP_S))
         while engine.has_work:
             engine.step()
         return (
