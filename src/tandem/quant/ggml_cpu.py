@@ -467,7 +467,7 @@ class CPUKernels:
             w = {name: leaf(*spec) for name, spec in ffn.inputs.items()}
             x_t = leaf(ggml.GGML_TYPE_F32, (k, 1, t), x.data_ptr())
             ids_t = leaf(ggml.GGML_TYPE_I32, (a, t), ids.data_ptr())
-            mix_t = leaf(ggml.GGML_TYPE_F32, (a, 1, t), weights.data_ptr())  # the mixing weights, a column per token
+            mix_t = leaf(ggml.GGML_TYPE_F32, (1, a, t), weights.data_ptr())  # the mixing weights, a row per token
             out = expert_ffn_nodes(ctx, ffn, w, x_t, ids_t, mix_t)
             ggml.ggml_set_output(out)
             graph, allocator = self._allocated_graph(ctx, out, n_nodes)
@@ -649,7 +649,7 @@ def expert_ffn_nodes(
     mix_t: ggml.ggml_tensor_p,
 ) -> ggml.ggml_tensor_p:
     """The nodes of a routed-expert FFN (the order of operations is llama.cpp's `build_moe_ffn`): w holds a tensor per
-    entry of `ffn.inputs`, x_t is [K, 1, T], ids_t [A, T] (int32), mix_t [A, 1, T] (the routing weights). Returns the
+    entry of `ffn.inputs`, x_t is [K, 1, T], ids_t [A, T] (int32), mix_t [1, A, T] (the routing weights). Returns the
     mixed output [D, 1, T] (laid out as [T, D])."""
     f = ffn.down.shape[2]
     e = ffn.down.shape[0]
@@ -674,12 +674,12 @@ def expert_ffn_nodes(
         experts = ggml.ggml_mul(ctx, experts, ggml.ggml_get_rows(ctx, scales, ids_t))
     if "down_bias" in w:
         experts = ggml.ggml_add_id(ctx, experts, w["down_bias"], ids_t)
-    # The mix sum_a w[a, t] * experts[:, a, t] as one product over the A slots: two nodes where llama.cpp has a
-    # multiply and A - 1 adds (each node ends in a barrier of all threads, ~1-2 us at decode).
-    slots_first = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, experts, 1, 0, 2, 3))  # [A, D, T]
+    # The mix sum_a w[a, t] * experts[:, a, t] as one outer product per token ([D, A] by [1, A]): one node of A
+    # contiguous multiply-adds of D values per token, where llama.cpp has a multiply and A - 1 adds (each node ends
+    # in a barrier of all threads) and a product over the slots would need them first ([A, D, T]: a strided copy).
     # [D, 1, T], laid out as out [T, D]: no reshape, since a node pointed at the caller's buffer must be the one
-    # that computes
-    return ggml.ggml_mul_mat(ctx, slots_first, mix_t)
+    # that computes.
+    return ggml.ggml_out_prod(ctx, experts, mix_t)
 
 
 def _as_f32(x: torch.Tensor) -> torch.Tensor:

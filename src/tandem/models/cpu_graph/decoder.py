@@ -495,7 +495,7 @@ class _StepBuilder:
             if isinstance(router, NormedSoftmaxTopKRouter) or router.renormalize:  # [1, A, T] / the sum over A
                 flat = ggml.ggml_reshape_2d(ctx, weights, a, t)
                 weights = ggml.ggml_div(ctx, flat, ggml.ggml_sum_rows(ctx, flat))
-        mix = ggml.ggml_reshape_3d(ctx, weights, a, 1, t)
+        mix = ggml.ggml_reshape_3d(ctx, weights, 1, a, t)
         ffn = self.experts[id(moe)]
         w = {}
         for name, (gtype, ne, ptr, _) in ffn.inputs.items():
