@@ -95,7 +95,8 @@
 #     bundle has no flash-attention kernels: the tools' `-fa auto` then turns it off). LLAMA_TOOLS=DIR (default
 #     /tmp/llama_tools): where they go, or, built already (e.g. SKIP_SETUP=1 dry runs), where DIR/bin has them.
 #   EXPERT_KERNELS=1 (while the build runs: bench/expert_kernels.py, the selected-expert products of a decode
-#     batch by `_qmv` and by `_grouped_qmm`, per batch size, and which one qmatmul_id picks)
+#     batch by `_qmv` and by `_grouped_qmm`, per batch size, and which one qmatmul_id picks; EXPERT_KERNELS_FLAGS
+#     passes its options, e.g. "--dense --tokens 1,2,4,8,16": the dense products of a batched decode step)
 #   PROFILE_BATCHED=16 (while the build runs, on the first model: bench/profile_batched.py, a decode step of that
 #     many sequences and their prefill taken apart by GPU kernel, per PROFILE_BATCHED_PLACEMENTS=all,cpu-moe;
 #     bounded by PROFILE_BATCHED_S=240; PROFILE_BATCHED_FLAGS=--host-ops times ggml's experts in the step and
@@ -316,7 +317,7 @@ fi
 
 if [[ "${EXPERT_KERNELS:-0}" == 1 && "$DEVICE" != cpu ]]; then  # a few seconds: qmv against grouped per batch size
   say "selected-expert kernels at decode batch sizes (bench/expert_kernels.py)"
-  "$PY" bench/expert_kernels.py 2>&1 | grep -vE "Warning|warn\(" | tail -40
+  "$PY" bench/expert_kernels.py ${EXPERT_KERNELS_FLAGS:-} 2>&1 | grep -vE "Warning|warn\(" | tail -40
 fi
 
 if [[ -n "${PROFILE_BATCHED:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
