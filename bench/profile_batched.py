@@ -9,7 +9,9 @@ such steps (torch profiler, graph replays included) by total GPU time, with thei
 for the prefill of N prompts of PP tokens. What bench/batched_compare.py measures end to end, taken apart.
 With --host-ops (`--cpu-moe` placements whose experts all compute on the CPU): how long ggml's experts take where
 the captured decode step runs them, and the same calls again on the step's last inputs, back to back and with a GPU
-layer's time between them (are they slower in the step, and is it the pause?).
+layer's time between them (are they slower in the step, and is it the pause?); the bytes of the distinct experts
+those calls read, their rate, and the host's read rate at the same threads (a float32 sum over 2 GiB): how near
+the experts are to the memory's bandwidth.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class HostOpTimes:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
-        self.latest: dict[tuple[int, int], Callable[[], None]] = {}  # (layer's op, rows) -> its prepared call
+        # (layer's op, rows) -> its prepared call and the routing ids it reads
+        self.latest: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
 
     def install(self) -> None:
         from tandem.weights.offload import OffloadedExperts
@@ -117,7 +120,7 @@ class HostOpTimes:
             bound = original(experts, xs, out)
             if bound is None:
                 return None
-            self.latest[(id(experts), int(xs[1].shape[0]))] = bound
+            self.latest[(id(experts), int(xs[1].shape[0]))] = (bound, xs[1])
 
             def run() -> None:
                 t0 = time.perf_counter()
@@ -129,7 +132,7 @@ class HostOpTimes:
 
         OffloadedExperts._bind = timed_bind  # type: ignore[method-assign]
 
-    def report(self, llm: tandem.LLM, n: int, pp: int, steps: int = 16, repeats: int = 5) -> str:
+    def report(self, llm: tandem.LLM, path: str, n: int, pp: int, steps: int = 16, repeats: int = 5) -> str:
         engine = llm.engine
         seqs = _admit(llm, n, pp, steps + 8, seed=23)
         while not all(s.n_output for s in seqs):
@@ -144,16 +147,47 @@ class HostOpTimes:
         _sync()
         wall = (time.perf_counter() - t0) / steps * 1e3
         in_step, calls = self.seconds / steps * 1e3, self.calls / steps
-        ops = [run for (_, rows), run in self.latest.items() if rows == n]
+        latest = [(run, ids) for (_, rows), (run, ids) in self.latest.items() if rows == n]
+        ops = [run for run, _ in latest]
         alone, apart = (_replay_ms(ops, repeats, gap) for gap in (0.0, GAP_S))
+        distinct = sum(int(torch.unique(ids).numel()) for _, ids in latest)
+        read_gb = distinct * _expert_bytes(path) / 1e9
+        threads = torch.get_num_threads()
         while engine.has_work:
             engine.step()
         return (
             f"{_threads()}\n"
             f"ggml's experts in a decode step of {n} rows: {wall:.2f} ms wall per step, {in_step:.2f} ms in "
             f"{calls:.0f} host calls ({in_step / wall:.0%}); the {len(ops)} layers' last calls again, back to "
-            f"back: {alone:.2f} ms; {GAP_S * 1e3:.2f} ms apart: {apart:.2f} ms"
+            f"back: {alone:.2f} ms; {GAP_S * 1e3:.2f} ms apart: {apart:.2f} ms\n"
+            f"those calls read {distinct / max(len(latest), 1):.1f} distinct experts per layer, {read_gb:.2f} GB: "
+            f"{read_gb / alone * 1e3:.1f} GB/s back to back; the host reads {_read_rate_gbs(threads):.1f} GB/s "
+            f"({threads} threads, float32 sum of 2 GiB, best of 5)"
         )
+
+
+def _expert_bytes(path: str) -> float:
+    """The mean bytes of one expert of one layer (its gate, up and down blocks) in the file."""
+    from tandem.gguf import open_gguf
+    from tandem.placement import expert_layer
+
+    stacks = [i for i in open_gguf(path).tensors.values() if expert_layer(i.name) is not None and len(i.shape) == 3]
+    layers = {expert_layer(i.name) for i in stacks}
+    return sum(i.n_bytes for i in stacks) / len(layers) / stacks[0].shape[0]  # (E, N, K) stacks
+
+
+def _read_rate_gbs(threads: int, reps: int = 5) -> float:
+    """GB/s of a float32 sum over 2 GiB with `threads` threads, the best of `reps`: the host memory's read rate."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 29, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    torch.set_num_threads(saved)
+    return x.numel() * 4 / best / 1e9
 
 
 def _host_profile(llm: tandem.LLM, n: int, pp: int, rows: int) -> str:
@@ -233,7 +267,7 @@ def profile_placement(
     while engine.has_work:
         engine.step()
     if host_ops is not None and host_ops.latest:
-        print(host_ops.report(llm, n, pp), flush=True)
+        print(host_ops.report(llm, path, n, pp), flush=True)
     llm.close()
     torch.cuda.empty_cache()
 
