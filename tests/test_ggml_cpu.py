@@ -342,6 +342,31 @@ def test_fused_expert_ffn_bind_matches_the_eager_call() -> None:
             assert no_ggml_op.bind(xb, Routing(ids=ib, weights=wb), out) is None
 
 
+def test_one_cached_graph_serves_buffers_bound_side_by_side() -> None:
+    """Layers of one shape share a cached graph, re-pointed at each caller's buffers per call: every node must read
+    the buffers of the call (a view made of an input when the graph was built would keep its first address, and
+    the eager call, on the same graph, would repeat the error: the products with torch's glue are the reference)."""
+    torch.manual_seed(23)
+    with CPUKernels(2) as kernels:
+        for name, experts in _ffn_cases(kernels).items():
+            t, a = 5, 2
+            bound = []
+            for _ in range(2):  # two layers' buffers, alive together
+                xb, out = torch.randn(t, 512) * 4, torch.empty(t, 384)
+                ids = torch.stack([torch.randperm(8)[:a] for _ in range(t)]).to(torch.int32)
+                routing = Routing(ids=ids, weights=torch.rand(t, a))
+                run = experts.bind(xb, routing, out)
+                assert run is not None, name
+                bound.append((run, xb, routing, out))
+            for run, xb, routing, out in bound + bound[::-1]:
+                run()
+                down = _Unfused(experts.down)
+                ref = dataclasses.replace(experts, down=down)(xb, routing)
+                assert down.seen is not None
+                step = _quantization_step_effect(experts, down.seen, routing)
+                assert (out - ref).abs().max() <= 1e-6 * ref.abs().max() + 2 * step, name
+
+
 def test_glu_experts_need_gate_and_up_or_gate_up() -> None:
     """Two stacks or one fused stack, never both nor half of them; and vectors of the experts' sizes."""
     with CPUKernels(1) as kernels:
