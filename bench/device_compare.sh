@@ -82,7 +82,7 @@
 #   BATCHED="1,4,16" (after each model's matrix (which then takes half of its time), with HTTP's placements
 #     sharing the rest: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
-#     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3, each engine bounded by 2/3 of the placement's time; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well, which
+#     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3, each engine bounded by 2/3 of the placement's time; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well (NAME+repack: --repack-experts), which
 #     llama.cpp has no form of). MATRIX=none skips the matrix.
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
 #     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all" (NAME+pcieK as BATCHED's), prompt
@@ -454,6 +454,7 @@ for k in "${!targets[@]}"; do
       [[ $placement == cpu-moe* ]] && flags=(--cpu-moe)
       [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags=(--n-cpu-moe "${BASH_REMATCH[1]}")
       [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
+      [[ $placement == *+repack ]] && tflags="--repack-experts"
       part=$(( batched_share / ${#placements[@]} ))
       say "batched $name $placement: npl $BATCHED, $part s"
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
@@ -481,6 +482,7 @@ for k in "${!targets[@]}"; do
       [[ $placement == cpu-moe* ]] && flags+=(--cpu-moe)
       [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags+=(--n-cpu-moe "${BASH_REMATCH[1]}")
       [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
+      [[ $placement == *+repack ]] && tflags="--repack-experts"
       tflags="$tflags ${HTTP_TANDEM_FLAGS:-}"  # e.g. "-b 2048 -ub 512", llama-server's own defaults
       tflags="${tflags## }" tflags="${tflags%% }"
       part=$(( http_share / ${#placements[@]} ))

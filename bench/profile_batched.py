@@ -33,7 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 import tandem
 from tandem.runtime.sampling import Sampler, SamplingParams
 
-PLACEMENTS = {"all": {}, "cpu-moe": {"cpu_moe": True}, "cpu-moe+pcie3": {"cpu_moe": True, "pcie_experts": 3}}
+PLACEMENTS = {
+    "all": {}, "cpu-moe": {"cpu_moe": True}, "cpu-moe+pcie3": {"cpu_moe": True, "pcie_experts": 3},
+    "cpu-moe+repack": {"cpu_moe": True, "repack_experts": True},
+}  # fmt: skip
 
 
 def _sync() -> None:
