@@ -459,7 +459,7 @@ for k in "${!targets[@]}"; do
       say "batched $name $placement: npl $BATCHED, $part s"
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
         --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
-        --tandem-flags "$tflags" --reps "${BATCHED_REPS:-3}" \
+        --tandem-flags="$tflags" --reps "${BATCHED_REPS:-3}" \
         --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part * 2 / 3 ))" \
         --out "/tmp/batched_${name}_$placement" >"/tmp/batched_${name}_$placement.out" 2>&1
       say "batched $name $placement: exit $?"

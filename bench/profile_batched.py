@@ -158,6 +158,7 @@ class HostOpTimes:
         threads = torch.get_num_threads()
         while engine.has_work:
             engine.step()
+        self.latest.clear()  # this model's calls: the next placement loads its own
         return (
             f"{_threads()}\n"
             f"ggml's experts in a decode step of {n} rows: {wall:.2f} ms wall per step, {in_step:.2f} ms in "
