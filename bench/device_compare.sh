@@ -96,7 +96,7 @@
 #     /tmp/llama_tools): where they go, or, built already (e.g. SKIP_SETUP=1 dry runs), where DIR/bin has them.
 #   EXPERT_KERNELS=1 (while the build runs: bench/expert_kernels.py, the selected-expert products of a decode
 #     batch by `_qmv` and by `_grouped_qmm`, per batch size, and which one qmatmul_id picks; EXPERT_KERNELS_FLAGS
-#     passes its options, e.g. "--dense --tokens 1,2,4,8,16": the dense products of a batched decode step)
+#     passes its options, e.g. "--tokens 1,4,16 --active 8")
 #   PROFILE_BATCHED=16 (while the build runs, on the first model: bench/profile_batched.py, a decode step of that
 #     many sequences and their prefill taken apart by GPU kernel, per PROFILE_BATCHED_PLACEMENTS=all,cpu-moe;
 #     bounded by PROFILE_BATCHED_S=240; PROFILE_BATCHED_FLAGS=--host-ops times ggml's experts in the step and
