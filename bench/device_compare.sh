@@ -280,6 +280,17 @@ if [[ -n "${HOT:-}" && "$DEVICE" != cpu ]] && building; then  # the skewed model
   hot_synth_pid=$!
 fi
 
+# A BATCHED or HTTP placement's flags: pflags for both engines (cpu-moe, n-cpu-moe=N), tflags for tandem alone
+# (NAME+pcieK: --pcie-experts K; NAME+repack: --repack-experts), which llama.cpp has no form of.
+placement_flags() {
+  pflags=() tflags=""
+  [[ $1 == cpu-moe* ]] && pflags=(--cpu-moe)
+  [[ $1 =~ ^n-cpu-moe=([0-9]+) ]] && pflags=(--n-cpu-moe "${BASH_REMATCH[1]}")
+  [[ $1 =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
+  [[ $1 == *+repack ]] && tflags="--repack-experts"
+  return 0
+}
+
 if [[ "${GPU_TESTS:-0}" != 0 ]]; then  # the GPU tests run while llama.cpp builds (nothing is timed then)
   gpu_tests=(tests)  # every module: GPU tests live beside their CPU twins (e.g. tests/test_fidelity.py)
   [[ "$GPU_TESTS" == 1 ]] || read -r -a gpu_tests <<<"$GPU_TESTS"
@@ -450,11 +461,8 @@ for k in "${!targets[@]}"; do
   if [[ -n "${BATCHED:-}" ]]; then
     placements=(${BATCHED_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
-      flags=() tflags=""
-      [[ $placement == cpu-moe* ]] && flags=(--cpu-moe)
-      [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags=(--n-cpu-moe "${BASH_REMATCH[1]}")
-      [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
-      [[ $placement == *+repack ]] && tflags="--repack-experts"
+      placement_flags "$placement"
+      flags=("${pflags[@]}")
       part=$(( batched_share / ${#placements[@]} ))
       say "batched $name $placement: npl $BATCHED, $part s"
       timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
@@ -478,11 +486,8 @@ for k in "${!targets[@]}"; do
     [[ "$DEVICE" == cpu ]] && ngl=0
     placements=(${HTTP_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
-      flags=(-t "$THREADS") tflags=""
-      [[ $placement == cpu-moe* ]] && flags+=(--cpu-moe)
-      [[ $placement =~ ^n-cpu-moe=([0-9]+) ]] && flags+=(--n-cpu-moe "${BASH_REMATCH[1]}")
-      [[ $placement =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
-      [[ $placement == *+repack ]] && tflags="--repack-experts"
+      placement_flags "$placement"
+      flags=(-t "$THREADS" "${pflags[@]}")
       tflags="$tflags ${HTTP_TANDEM_FLAGS:-}"  # e.g. "-b 2048 -ub 512", llama-server's own defaults
       tflags="${tflags## }" tflags="${tflags%% }"
       part=$(( http_share / ${#placements[@]} ))
