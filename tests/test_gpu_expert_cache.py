@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,14 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def q30(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer synthetic Qwen3-30B-A3B (Q4_K/Q6_K experts, 128 experts, top-8)."""
+def q30(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A 2-layer synthetic Qwen3-30B-A3B (Q4_K/Q6_K experts, 128 experts, top-8); 1.2 GB of disk, given back when
+    the module is done."""
     from tandem.synth.writer import synthesize
 
-    return synthesize("qwen3-30b-a3b", tmp_path_factory.mktemp("q30") / "q30.gguf", layers=2, fill="random").path
+    path = synthesize("qwen3-30b-a3b", tmp_path_factory.mktemp("q30") / "q30.gguf", layers=2, fill="random").path
+    yield path
+    path.unlink(missing_ok=True)
 
 
 def test_split_kernel_on_the_device_equals_the_torch_form() -> None:
