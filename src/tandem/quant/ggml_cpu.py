@@ -31,6 +31,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tandem.errors import InstallationError, UnsupportedModelError
+from tandem.quant import moe_kernel
 from tandem.quant.ggml_weights import (
     GGMLWeight,
     RepackedTensor,
@@ -219,12 +220,14 @@ class CPUKernels:
     (decode slows by about a quarter with ggml on a second thread).
     """
 
-    def __init__(self, n_threads: int) -> None:
-        """Start a ggml CPU backend that computes with `n_threads` threads."""
+    def __init__(self, n_threads: int, native: bool = True) -> None:
+        """Start a ggml CPU backend that computes with `n_threads` threads. native: hand routed experts of a few
+        tokens to tandem's own kernel where it takes them (tandem.quant.moe_kernel); False keeps them with ggml."""
         if n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         require_ggml()
         self.n_threads = int(n_threads)
+        self.native = native
         self._lock = threading.Lock()
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
         self._ffn_graphs: dict[tuple[object, ...], _FFNGraph] = {}  # a few per model: one per (kind, T)
@@ -419,6 +422,14 @@ class CPUKernels:
         for name, (tensor, dtype, shape) in expected.items():
             if tensor.dtype is not dtype or not tensor.is_cpu or not tensor.is_contiguous() or tensor.shape != shape:
                 raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}")
+        native = self._native_experts(out, x, ffn, ids, weights)
+        if native is not None:
+
+            def run_native() -> None:
+                with self._lock:  # one team of OpenMP threads at a time, as for ggml's graphs
+                    native()
+
+            return run_native
         key = (2, *ffn.structure, t, a)
         with self._lock:
             g = self._ffn_graphs.get(key)
@@ -435,6 +446,25 @@ class CPUKernels:
                 self._compute(g.graph)
 
         return run
+
+    def _native_experts(
+        self, out: torch.Tensor, x: torch.Tensor, ffn: ExpertFFN, ids: torch.Tensor, weights: torch.Tensor
+    ) -> Callable[[], None] | None:
+        """tandem's kernel for a few tokens an expert (tandem.quant.moe_kernel), where it takes this FFN; else None."""
+        e, _, f = ffn.down.shape
+        t, a = ids.shape
+        if not self.native or t * a >= moe_kernel.MAX_TOKENS_PER_EXPERT * e:  # ggml's tiled kernel takes most experts
+            return None
+        stacks = ffn.stacks
+        extras = any(v is not None for v in (ffn.gate_bias, ffn.up_bias, ffn.down_bias, ffn.down_scale))
+        repacked = any(w.repacked is not None for w in (*stacks, ffn.down))
+        types = tuple(w.qtype for w in (*stacks, ffn.down))
+        if not moe_kernel.takes(ffn.glu, types, stacks[0].shape[-1], f, extras, repacked):
+            return None
+        return moe_kernel.experts_into(
+            out, x, ids, weights, tuple((w.ptr, w.qtype) for w in stacks), (ffn.down.ptr, ffn.down.qtype), e, f,
+            self.n_threads,
+        )
 
     def _build_ffn(
         self, key: tuple[object, ...], ffn: ExpertFFN, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

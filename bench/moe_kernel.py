@@ -1,0 +1,73 @@
+"""One layer's routed experts on the CPU, ggml's graph against tandem's kernel (tandem.quant.moe_kernel).
+
+    python bench/moe_kernel.py MODEL.gguf [--layers 0,1] [--tokens 1,2,4,8,16,32,64] [--threads 16] [--reps 30]
+
+For each layer and token count: T tokens, each routed to top_k distinct experts drawn uniformly (a batched decode
+step of T sequences), the whole SwiGLU expert FFN (`CPUKernels.gated_experts`) timed with ggml's `mul_mat_id` graph
+(`native=False`) and with the kernel, alternating, medians of --reps calls; prints µs per call, the ratio, the
+distinct experts and the largest difference relative to the output's largest value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tandem.gguf import open_gguf
+from tandem.quant import moe_kernel
+from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.ggml_weights import GGMLWeight
+
+
+def layer_ffn(path: str, layer: int) -> tuple[ExpertFFN, int]:
+    f = open_gguf(path)
+    top_k = int(f.metadata[f"{f.arch}.expert_used_count"])
+    weights = {}
+    for name in ("gate", "up", "down"):
+        info = f.tensors[f"blk.{layer}.ffn_{name}_exps.weight"]
+        weights[name] = GGMLWeight(info.data, info.qtype, info.shape)  # a view into the file's memory map
+    return ExpertFFN(down=weights["down"], glu="swiglu", gate=weights["gate"], up=weights["up"]), top_k
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--layers", default="0")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    ok, why = moe_kernel.available()
+    print(f"kernel: {'AVX-512' if moe_kernel.simd() else 'portable C'}" if ok else f"kernel unavailable: {why}")
+    if not ok:
+        return
+    with CPUKernels(args.threads, native=False) as ggml_side, CPUKernels(args.threads) as kernel_side:
+        for layer in (int(v) for v in args.layers.split(",")):
+            ffn, top_k = layer_ffn(args.model, layer)
+            e = ffn.down.shape[0]
+            types = "/".join(w.qtype.name for w in (*ffn.stacks, ffn.down))
+            for t in (int(v) for v in args.tokens.split(",")):
+                g = torch.Generator().manual_seed(t)
+                x = torch.randn(t, ffn.stacks[0].shape[-1], generator=g)
+                ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).to(torch.int32)
+                w = torch.rand(t, top_k, generator=g)
+                times: dict[str, list[float]] = {"ggml": [], "kernel": []}
+                for _ in range(args.reps):
+                    for name, side in (("ggml", ggml_side), ("kernel", kernel_side)):
+                        start = time.perf_counter()
+                        out = side.gated_experts(x, ffn, ids, w)
+                        times[name].append(time.perf_counter() - start)
+                        if name == "ggml":
+                            ref = out
+                diff = ((out - ref).abs().max() / ref.abs().max()).item()
+                a, b = (statistics.median(times[n]) * 1e6 for n in ("ggml", "kernel"))
+                distinct = len(set(ids.flatten().tolist()))
+                print(f"layer {layer} {types} T={t:3d} distinct {distinct:3d}: ggml {a:8.0f} µs  kernel {b:8.0f} µs"
+                      f"  ggml/kernel {a / b:.2f}  diff {diff:.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

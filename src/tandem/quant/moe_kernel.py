@@ -1,0 +1,175 @@
+"""tandem's own CPU kernel for the routed experts of a few tokens (`moe_experts.c`), compiled on first use.
+
+A batched decode step of 16 sequences gives each of Qwen3-30B-A3B's 128 experts about two tokens. ggml's
+`mul_mat_id` multiplies an expert's rows by each of its tokens on its own below 8 tokens an expert, unpacking the
+K-quant blocks once per token; this kernel unpacks each row's blocks once for all of the expert's tokens (up to 8 at
+a time) and runs the whole SwiGLU expert FFN (gate, up, gated unit, down, the mix by the routing weights) in one
+call. The arithmetic is ggml's (the same Q8_K activations, the same integer dot products per sub-block, float16
+scales, float32 sums in another order): see moe_experts.c.
+
+It takes Q4_K and Q6_K stacks (the Q4_K_M and Q6_K mixes' experts) of a SwiGLU FFN without biases or per-expert
+scales; anything else, repacked stacks, and steps of 8 tokens an expert or more (ggml's tiled kernel) stay with
+ggml. Built with the machine's C compiler (`cc -O3 -march=native -fopenmp`: the CPU's own vector instructions, and
+GCC's OpenMP runtime, the one ggml's build runs its threads in, so both share one team of threads) into
+~/.cache/tandem/native, named by the source, the compiler and the CPU. `TANDEM_MOE_KERNEL=ggml` keeps every
+expert with ggml (llama.cpp's bits); where no compiler works, ggml computes them too, and `available()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("moe_experts.c")
+ENV = "TANDEM_MOE_KERNEL"  # "ggml": never use this kernel
+TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+# ggml's tiled kernel takes an expert's products from 8 tokens on; below, ggml goes token by token.
+MAX_TOKENS_PER_EXPERT = 8
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem" / "native"
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags") and key not in fields:
+            fields[key] = value.strip()
+    return f"{platform.machine()} {fields.get('model name', '')} {fields.get('flags', '')}"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(out: Path, march: str = "native") -> None:
+    """Build moe_experts.c into out for -march=`march` (written beside, then renamed: a process loading it meanwhile
+    never sees half a file). Raises OSError with the compiler's last line."""
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler (cc) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        cmd = [cc, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-o", str(part), str(SOURCE)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise OSError(f"{cc} failed on {SOURCE.name}: {last}")
+        os.replace(part, out)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The built library at path, its functions typed."""
+    lib = ctypes.CDLL(str(path))
+    pointer, number = ctypes.c_void_p, ctypes.c_int
+    lib.moe_experts_scratch_bytes.restype = ctypes.c_size_t
+    lib.moe_experts_scratch_bytes.argtypes = [number] * 6
+    lib.moe_experts_swiglu.restype = number
+    lib.moe_experts_swiglu.argtypes = [number] * 6 + [pointer, number] * 3 + [pointer] * 5 + [number]
+    lib.moe_experts_simd.restype = number
+    return lib
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The kernel built for this machine and '', or None and why not."""
+    if os.environ.get(ENV, "").lower() == "ggml":
+        return None, f"{ENV}=ggml"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, "built on x86-64 Linux only"
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler (cc) found"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_identity().encode()).hexdigest()[:16]
+        path = _cache_dir() / f"moe_experts-{key}.so"
+        if not path.exists():
+            compile_library(path)
+        return load(path), ""
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, str(e)
+
+
+def available() -> tuple[bool, str]:
+    """Whether the kernel is built and loaded here, and if not, why."""
+    lib, why = _library()
+    return lib is not None, why
+
+
+def simd() -> bool:
+    """Whether the kernel runs its AVX-512 path here (else its portable C)."""
+    lib, _ = _library()
+    return lib is not None and bool(lib.moe_experts_simd())
+
+
+def takes(
+    glu: str, types: tuple[GGMLQuantizationType, ...], k: int, f: int, extras: bool, repacked: bool
+) -> bool:
+    """Whether an expert FFN of these kinds is this kernel's (the token count is decided per call)."""
+    return (
+        glu == "swiglu" and not extras and not repacked and all(t in TYPES for t in types)
+        and k % 256 == 0 and f % 256 == 0 and _library()[0] is not None
+    )  # fmt: skip
+
+
+def experts_into(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    stacks: tuple[tuple[int, GGMLQuantizationType], ...],
+    down: tuple[int, GGMLQuantizationType],
+    n_experts: int,
+    f: int,
+    n_threads: int,
+    lib: ctypes.CDLL | None = None,
+) -> Callable[[], None]:
+    """The routed SwiGLU experts on fixed buffers: the returned function computes out [T, D] from x [T, K], ids and
+    weights [T, A] (contiguous CPU float32, int32 in [0, n_experts), float32; the caller vouches for them and keeps
+    them alive). stacks: (address, type) of gate and up, or of one fused gate_up; down likewise. lib: another build
+    of the kernel (tests), else this machine's."""
+    if lib is None:
+        lib, why = _library()
+        if lib is None:
+            raise RuntimeError(f"the MoE kernel is not available: {why}")
+    t, a = ids.shape
+    k, d = x.shape[1], out.shape[1]
+    scratch = torch.empty(lib.moe_experts_scratch_bytes(t, a, n_experts, k, f, d), dtype=torch.uint8)
+    (gate, gate_type), (up, up_type) = stacks if len(stacks) == 2 else (stacks[0], (0, stacks[0][1]))
+    buffers = (x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    args = (t, a, n_experts, k, f, d, gate, int(gate_type), up or None, int(up_type), down[0], int(down[1]),
+            *buffers, n_threads)  # fmt: skip
+    call = lib.moe_experts_swiglu
+
+    def run() -> None:
+        if call(*args) != 0:
+            raise ValueError("an expert id out of range, or a type the MoE kernel does not take")
+
+    run.scratch = scratch  # type: ignore[attr-defined]  # the kernel writes it through a raw pointer
+    return run
