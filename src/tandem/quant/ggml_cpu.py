@@ -453,7 +453,7 @@ class CPUKernels:
         """tandem's kernel for a few tokens an expert (tandem.quant.moe_kernel), where it takes this FFN; else None."""
         e, _, f = ffn.down.shape
         t, a = ids.shape
-        if not self.native or t * a >= moe_kernel.MAX_TOKENS_PER_EXPERT * e:  # ggml's tiled kernel takes most experts
+        if not self.native or t * a > moe_kernel.MAX_TOKENS_PER_EXPERT * e:  # ggml's tiled kernel is as fast
             return None
         stacks = ffn.stacks
         extras = any(v is not None for v in (ffn.gate_bias, ffn.up_bias, ffn.down_bias, ffn.down_scale))

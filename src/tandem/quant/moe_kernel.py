@@ -1,18 +1,18 @@
-"""tandem's own CPU kernel for the routed experts of a few tokens (`moe_experts.c`), compiled on first use.
+"""tandem's own CPU kernel for the routed experts of a few tokens an expert (`moe_experts.c`), compiled on first use.
 
-A batched decode step of 16 sequences gives each of Qwen3-30B-A3B's 128 experts about two tokens. ggml's
-`mul_mat_id` multiplies an expert's rows by each of its tokens on its own below 8 tokens an expert, unpacking the
-K-quant blocks once per token; this kernel unpacks each row's blocks once for all of the expert's tokens (up to 8 at
-a time) and runs the whole SwiGLU expert FFN (gate, up, gated unit, down, the mix by the routing weights) in one
-call. The arithmetic is ggml's (the same Q8_K activations, the same integer dot products per sub-block, float16
-scales, float32 sums in another order): see moe_experts.c.
+ggml's `mul_mat_id` multiplies an expert's rows by each of its tokens on its own below 8 tokens an expert (its
+tiled kernel takes 8 and more, padding to 16), unpacking the K-quant blocks once per token. This kernel unpacks each
+row's blocks once for up to 8 of the expert's tokens and runs the whole SwiGLU expert FFN (gate, up, gated unit,
+down, the mix by the routing weights) as one call over one team of threads, in long row ranges per work item. The
+arithmetic is ggml's (the same Q8_K activations, the same integer dot products per sub-block, float16 scales,
+float32 sums in another order): see moe_experts.c. Measured in docs/PERFORMANCE.md (`bench/moe_kernel.py`).
 
 It takes Q4_K and Q6_K stacks (the Q4_K_M and Q6_K mixes' experts) of a SwiGLU FFN without biases or per-expert
-scales; anything else, repacked stacks, and steps of 8 tokens an expert or more (ggml's tiled kernel) stay with
-ggml. Built with the machine's C compiler (`cc -O3 -march=native -fopenmp`: the CPU's own vector instructions, and
-GCC's OpenMP runtime, the one ggml's build runs its threads in, so both share one team of threads) into
-~/.cache/tandem/native, named by the source, the compiler and the CPU. `TANDEM_MOE_KERNEL=ggml` keeps every
-expert with ggml (llama.cpp's bits); where no compiler works, ggml computes them too, and `available()` says why.
+scales, not repacked, up to 16 tokens an expert on average, on a CPU with AVX-512BW (its portable C path is 3-4x
+slower than ggml: tests only); everything else stays with ggml. Built with the machine's C compiler (`cc -O3
+-march=native -fopenmp`: GCC's OpenMP runtime, the one ggml's build runs its threads in, so both share one team)
+into ~/.cache/tandem/native, named by the source, the compiler and the CPU. `TANDEM_MOE_KERNEL=ggml` keeps every
+expert with ggml (llama.cpp's bits); `available()` says why the kernel is not used, where it is not.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("moe_experts.c")
 ENV = "TANDEM_MOE_KERNEL"  # "ggml": never use this kernel
 TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
-# ggml's tiled kernel takes an expert's products from 8 tokens on; below, ggml goes token by token.
-MAX_TOKENS_PER_EXPERT = 8
+# Up to this many tokens an expert on average (a step's slots over the experts): past it ggml's tiled kernel is as
+# fast (dev machine, Qwen3-30B-A3B's shapes: 1.4x faster than ggml at 16 an expert, even at 32).
+MAX_TOKENS_PER_EXPERT = 16
 
 
 def _cache_dir() -> Path:
@@ -111,21 +112,18 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         path = _cache_dir() / f"moe_experts-{key}.so"
         if not path.exists():
             compile_library(path)
-        return load(path), ""
+        lib = load(path)
     except (OSError, subprocess.SubprocessError) as e:
         return None, str(e)
+    if not lib.moe_experts_simd():
+        return None, "the CPU has no AVX-512BW (the kernel's portable path is slower than ggml)"
+    return lib, ""
 
 
 def available() -> tuple[bool, str]:
     """Whether the kernel is built and loaded here, and if not, why."""
     lib, why = _library()
     return lib is not None, why
-
-
-def simd() -> bool:
-    """Whether the kernel runs its AVX-512 path here (else its portable C)."""
-    lib, _ = _library()
-    return lib is not None and bool(lib.moe_experts_simd())
 
 
 def takes(
