@@ -228,6 +228,7 @@ class CPUKernels:
         require_ggml()
         self.n_threads = int(n_threads)
         self.native = native
+        self._moe_scratch = torch.empty(0, dtype=torch.uint8)  # tandem's MoE kernel's working memory
         self._lock = threading.Lock()
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
         self._ffn_graphs: dict[tuple[object, ...], _FFNGraph] = {}  # a few per model: one per (kind, T)
@@ -424,10 +425,14 @@ class CPUKernels:
                 raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}")
         native = self._native_experts(out, x, ffn, ids, weights)
         if native is not None:
+            nbytes, compute = native
+            with self._lock:
+                if self._moe_scratch.numel() < nbytes:  # one buffer for every layer's calls: they hold the lock
+                    self._moe_scratch = torch.empty(nbytes, dtype=torch.uint8)
 
             def run_native() -> None:
                 with self._lock:  # one team of OpenMP threads at a time, as for ggml's graphs
-                    native()
+                    compute(self._moe_scratch.data_ptr())
 
             return run_native
         key = (2, *ffn.structure, t, a)
@@ -449,8 +454,9 @@ class CPUKernels:
 
     def _native_experts(
         self, out: torch.Tensor, x: torch.Tensor, ffn: ExpertFFN, ids: torch.Tensor, weights: torch.Tensor
-    ) -> Callable[[], None] | None:
-        """tandem's kernel for a few tokens an expert (tandem.quant.moe_kernel), where it takes this FFN; else None."""
+    ) -> tuple[int, Callable[[int], None]] | None:
+        """tandem's kernel for a few tokens an expert (tandem.quant.moe_kernel), where it takes this FFN: its scratch
+        bytes and call; else None."""
         e, _, f = ffn.down.shape
         t, a = ids.shape
         if not self.native or t * a > moe_kernel.MAX_TOKENS_PER_EXPERT * e:  # ggml's tiled kernel is as fast

@@ -8,7 +8,7 @@ arithmetic is ggml's (the same Q8_K activations, the same integer dot products p
 float32 sums in another order): see moe_experts.c. Measured in docs/PERFORMANCE.md (`bench/moe_kernel.py`).
 
 It takes Q4_K and Q6_K stacks (the Q4_K_M and Q6_K mixes' experts) of a SwiGLU FFN without biases or per-expert
-scales, not repacked, up to 16 tokens an expert on average, on a CPU with AVX-512BW (its portable C path is 3-4x
+scales, not repacked, up to 8 tokens an expert on average, on a CPU with AVX-512BW (its portable C path is 3-4x
 slower than ggml: tests only); everything else stays with ggml. Built with the machine's C compiler (`cc -O3
 -march=native -fopenmp`: GCC's OpenMP runtime, the one ggml's build runs its threads in, so both share one team)
 into ~/.cache/tandem/native, named by the source, the compiler and the CPU. `TANDEM_MOE_KERNEL=ggml` keeps every
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("moe_experts.c")
 ENV = "TANDEM_MOE_KERNEL"  # "ggml": never use this kernel
 TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
-# Up to this many tokens an expert on average (a step's slots over the experts): past it ggml's tiled kernel is as
-# fast (dev machine, Qwen3-30B-A3B's shapes: 1.4x faster than ggml at 16 an expert, even at 32).
-MAX_TOKENS_PER_EXPERT = 16
+# Up to this many tokens an expert on average (a step's slots over the experts); past it ggml's tiled kernel comes
+# close (dev machine, Qwen3-30B-A3B's shapes: 1.27-1.59x faster than ggml at 8 an expert, 0.95-1.32x at 16).
+MAX_TOKENS_PER_EXPERT = 8
 
 
 def _cache_dir() -> Path:
@@ -147,27 +147,25 @@ def experts_into(
     f: int,
     n_threads: int,
     lib: ctypes.CDLL | None = None,
-) -> Callable[[], None]:
-    """The routed SwiGLU experts on fixed buffers: the returned function computes out [T, D] from x [T, K], ids and
-    weights [T, A] (contiguous CPU float32, int32 in [0, n_experts), float32; the caller vouches for them and keeps
-    them alive). stacks: (address, type) of gate and up, or of one fused gate_up; down likewise. lib: another build
-    of the kernel (tests), else this machine's."""
+) -> tuple[int, Callable[[int], None]]:
+    """The routed SwiGLU experts on fixed buffers: returns the scratch bytes a call needs and the function that
+    computes out [T, D] from x [T, K], ids and weights [T, A] (contiguous CPU float32, int32 in [0, n_experts),
+    float32; the caller vouches for them and keeps them alive), given the address of that much scratch memory
+    (calls one at a time may share it). stacks: (address, type) of gate and up, or of one fused gate_up; down
+    likewise. lib: another build of the kernel (tests), else this machine's."""
     if lib is None:
         lib, why = _library()
         if lib is None:
             raise RuntimeError(f"the MoE kernel is not available: {why}")
     t, a = ids.shape
     k, d = x.shape[1], out.shape[1]
-    scratch = torch.empty(lib.moe_experts_scratch_bytes(t, a, n_experts, k, f, d), dtype=torch.uint8)
     (gate, gate_type), (up, up_type) = stacks if len(stacks) == 2 else (stacks[0], (0, stacks[0][1]))
-    buffers = (x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr(), scratch.data_ptr())
-    args = (t, a, n_experts, k, f, d, gate, int(gate_type), up or None, int(up_type), down[0], int(down[1]),
-            *buffers, n_threads)  # fmt: skip
+    head = (t, a, n_experts, k, f, d, gate, int(gate_type), up or None, int(up_type), down[0], int(down[1]),
+            x.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr())  # fmt: skip
     call = lib.moe_experts_swiglu
 
-    def run() -> None:
-        if call(*args) != 0:
+    def run(scratch: int) -> None:
+        if call(*head, scratch, n_threads) != 0:
             raise ValueError("an expert id out of range, or a type the MoE kernel does not take")
 
-    run.scratch = scratch  # type: ignore[attr-defined]  # the kernel writes it through a raw pointer
-    return run
+    return int(lib.moe_experts_scratch_bytes(t, a, n_experts, k, f, d)), run
