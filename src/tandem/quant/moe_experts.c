@@ -100,6 +100,19 @@ static void quantize_q8_K(const float *x, block_q8_K *y, int nb) {
 // Up to MAX_TOKENS tokens share one unpacking of a row's blocks; more are taken in groups of that many.
 #define MAX_TOKENS 8
 
+#if MOE_AVX512
+// A block's 256 unsigned codes (q[j]: codes 64j..64j+63) times a token's 256 Q8_K codes, each pair of 16-bit
+// products multiplied by its lane's scale in s[j]: 16 int32 partial sums
+static inline __m512i block_dot(const __m512i q[4], const __m512i s[4], const int8_t *y) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void *)(y + 64 * j)));
+        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(p, s[j]));
+    }
+    return sum;
+}
+#endif
+
 // dot(row, x[t]) for t < n of one Q4_K row of nb blocks; x[t] points at token t's nb Q8_K blocks
 static inline __attribute__((always_inline)) void dot_q4_K(const block_q4_K *w, int nb, const block_q8_K *const *x,
                                                            int n, float *out) {
@@ -131,11 +144,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(const block_q4_K *w, 
         const float d = f16_to_f32(w[b].d), dmin = f16_to_f32(w[b].dmin);
         for (int t = 0; t < n; t++) {
             const block_q8_K *y = &x[t][b];
-            __m512i sum = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) {
-                const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void *)(y->qs + 64 * j)));
-                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(p, s[j]));
-            }
+            __m512i sum = block_dot(q, s, y->qs);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * y->d), acc[t]);
             // the mins against the sums of the activations' 32-value sub-blocks
             const __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
@@ -211,11 +220,7 @@ static inline __attribute__((always_inline)) void dot_q6_K(const block_q6_K *w, 
         const float d = f16_to_f32(w[b].d);
         for (int t = 0; t < n; t++) {
             const block_q8_K *y = &x[t][b];
-            __m512i sum = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) {
-                const __m512i p = _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void *)(y->qs + 64 * j)));
-                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(p, s[j]));
-            }
+            __m512i sum = block_dot(q, s, y->qs);
             // codes are stored +32: subtract 32 * sum(scale * bsum) over the 16 runs of 16
             const __m256i bsum = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)y->bsums));
             sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_slli_epi32(bsum, 5)));
