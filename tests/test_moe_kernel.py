@@ -12,6 +12,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from tandem.errors import TandemError
 from tandem.quant import moe_kernel
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
 from tandem.quant.ggml_weights import GGMLWeight
@@ -164,31 +165,17 @@ def test_the_library_is_built_once_into_the_cache() -> None:
     assert moe_kernel.load(path).moe_experts_simd() == 1
 
 
-def test_ggml_by_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TANDEM_MOE_KERNEL=ggml: no kernel, and why."""
-    monkeypatch.setenv(moe_kernel.ENV, "ggml")
+@pytest.mark.parametrize("value", ["ggml", "off", "0", "OFF "])
+def test_ggml_by_request(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """TANDEM_MOE_KERNEL=ggml (off, 0): no kernel, and why; an unknown value is a one-line error."""
     moe_kernel._library.cache_clear()
+    monkeypatch.setenv(moe_kernel.ENV, value)
     try:
-        assert moe_kernel.available() == (False, f"{moe_kernel.ENV}=ggml")
+        assert moe_kernel.available() == (False, f"{moe_kernel.ENV}={value.strip().lower()}")
+        monkeypatch.setenv(moe_kernel.ENV, "fast")
+        moe_kernel._library.cache_clear()  # read once per process
+        with pytest.raises(TandemError, match="TANDEM_MOE_KERNEL='fast': expected auto"):
+            moe_kernel.available()
     finally:
         monkeypatch.delenv(moe_kernel.ENV)
         moe_kernel._library.cache_clear()
-
-
-@native_kernel
-def test_prepared_calls_share_one_scratch_that_grows() -> None:
-    """Calls prepared on fixed buffers (a captured decode step holds one per layer and batch size) share CPUKernels'
-    working memory: one prepared after a smaller one grows it, and the smaller one then computes in the new one."""
-    ffn = ffn_of((Q.Q4_K, Q.Q4_K, Q.Q6_K))
-    with CPUKernels(2) as kernels, CPUKernels(2, native=False) as ggml_kernels:
-        runs = []
-        for t in (2, 20):
-            x, ids, w = routes(t, seed=t)
-            out = torch.empty(t, D)
-            run = kernels.gated_experts_into(out, x, ffn, ids, w)  # x, ids, w must outlive it: kept in runs
-            runs.append((run, out, ggml_kernels.gated_experts(x, ffn, ids, w), (x, ids, w)))
-        lib = moe_kernel._library()[0]
-        assert lib is not None and kernels._moe_scratch.numel() == lib.moe_experts_scratch_bytes(20, A, E, K, F, D)
-        for run, out, ref, _ in reversed(runs):
-            run()
-            close_to_ggml(out, ref)

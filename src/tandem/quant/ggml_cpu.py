@@ -227,7 +227,7 @@ class CPUKernels:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         require_ggml()
         self.n_threads = int(n_threads)
-        self.native = native
+        self.native = native and moe_kernel.setting() == "auto"  # a bad TANDEM_MOE_KERNEL fails here, at load
         self._moe_scratch = torch.empty(0, dtype=torch.uint8)  # tandem's MoE kernel's working memory
         self._lock = threading.Lock()
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()

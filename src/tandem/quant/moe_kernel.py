@@ -32,10 +32,12 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from tandem.errors import TandemError
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("moe_experts.c")
-ENV = "TANDEM_MOE_KERNEL"  # "ggml": never use this kernel
+ENV = "TANDEM_MOE_KERNEL"  # "auto" (default): where it takes an FFN; "ggml" ("off", "0"): never
 TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
 # Up to this many tokens an expert on average (a step's slots over the experts); past it ggml's tiled kernel comes
 # close (dev machine, Qwen3-30B-A3B's shapes: 1.27-1.59x faster than ggml at 8 an expert, 0.95-1.32x at 16).
@@ -96,11 +98,21 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def setting() -> str:
+    """TANDEM_MOE_KERNEL as "auto" or "ggml"; TandemError for a value it does not know."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value in ("ggml", "off", "0"):
+        return "ggml"
+    if value != "auto":
+        raise TandemError(f"{ENV}={value!r}: expected auto (the default) or ggml (off, 0)")
+    return value
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """The kernel built for this machine and '', or None and why not."""
-    if os.environ.get(ENV, "").lower() == "ggml":
-        return None, f"{ENV}=ggml"
+    if setting() == "ggml":
+        return None, f"{ENV}={os.environ[ENV].strip().lower()}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, "built on x86-64 Linux only"
     cc = compiler()
@@ -121,7 +133,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
 
 
 def available() -> tuple[bool, str]:
-    """Whether the kernel is built and loaded here, and if not, why."""
+    """Whether the kernel is built and loaded here, and if not, why. Raises TandemError for a TANDEM_MOE_KERNEL
+    value it does not know."""
     lib, why = _library()
     return lib is not None, why
 
