@@ -83,7 +83,10 @@
 #     sharing the rest: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
 #     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3, each engine bounded by 2/3 of the placement's time; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well (NAME+repack: --repack-experts), which
-#     llama.cpp has no form of). MATRIX=none skips the matrix.
+#     llama.cpp has no form of; a final +ggml runs tandem with TANDEM_MOE_KERNEL=ggml: its CPU experts all by ggml's
+#     graph, not tandem's kernel, e.g. BATCHED_PLACEMENTS="cpu-moe cpu-moe+ggml"). MATRIX=none skips the matrix.
+#   MOE_KERNEL=1 (per model, before its benches: bench/moe_kernel.py, one layer's CPU experts by ggml's graph and by
+#     tandem's kernel at 1-256 tokens, THREADS threads, layers MOE_KERNEL_LAYERS=0,1,2)
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
 #     streamed completions, per placement of HTTP_PLACEMENTS="cpu-moe all" (NAME+pcieK as BATCHED's), prompt
 #     HTTP_PP=128 tokens, HTTP_TG=64 tokens each, HTTP_REPS=2 rounds per N and server, HTTP_TANDEM_FLAGS for tandem
@@ -282,12 +285,13 @@ fi
 
 # A BATCHED or HTTP placement's flags: pflags for both engines (cpu-moe, n-cpu-moe=N), tflags for tandem alone
 # (NAME+pcieK: --pcie-experts K; NAME+repack: --repack-experts), which llama.cpp has no form of.
-placement_flags() {
-  pflags=() tflags=""
+placement_flags() {  # NAME[+pcieK|+repack][+ggml]: pflags (both engines), tflags (tandem's), penv (tandem's run)
+  pflags=() tflags="" penv=(env)
   [[ $1 == cpu-moe* ]] && pflags=(--cpu-moe)
   [[ $1 =~ ^n-cpu-moe=([0-9]+) ]] && pflags=(--n-cpu-moe "${BASH_REMATCH[1]}")
-  [[ $1 =~ \+pcie([0-9]+)$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
-  [[ $1 == *+repack ]] && tflags="--repack-experts"
+  [[ $1 =~ \+pcie([0-9]+)(\+ggml)?$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
+  [[ $1 == *+repack || $1 == *+repack+ggml ]] && tflags="--repack-experts"
+  [[ $1 == *+ggml ]] && penv+=(TANDEM_MOE_KERNEL=ggml)
   return 0
 }
 
@@ -441,6 +445,9 @@ for k in "${!targets[@]}"; do
     elif [[ -n "${BATCHED:-}" ]]; then batched_share=$tools_share; fi
     [[ -n "${HTTP:-}" ]] && http_share=$(( tools_share - batched_share ))
   fi
+  if [[ "${MOE_KERNEL:-0}" == 1 ]]; then  # before the benches, on a quiet machine (the llama.cpp build is done)
+    "$PY" bench/moe_kernel.py "$model" --layers "${MOE_KERNEL_LAYERS:-0,1,2}" --threads "$THREADS" 2>&1 | tail -30
+  fi
   say "bench $name: $share s (budget $budget s)${AB:+; then $n_ab AB variants, $ab_share s each}"
   # --timeout is per repetition (the first also counts the load and warm-up): the budget bounds it anyway.
   if [[ "$matrix" != none ]]; then
@@ -465,7 +472,7 @@ for k in "${!targets[@]}"; do
       flags=("${pflags[@]}")
       part=$(( batched_share / ${#placements[@]} ))
       say "batched $name $placement: npl $BATCHED, $part s"
-      timeout -s TERM -k 10 "$part" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
+      timeout -s TERM -k 10 "$part" "${penv[@]}" "$PY" bench/batched_compare.py -m "$model" --npl "$BATCHED" \
         --pp "${BATCHED_PP:-128}" --tg "${BATCHED_TG:-64}" -t "$THREADS" --device "$DEVICE" "${flags[@]}" \
         --tandem-flags="$tflags" --reps "${BATCHED_REPS:-3}" \
         --llama-bin "$LLAMA_TOOLS/bin/llama-batched-bench" --timeout "$(( part * 2 / 3 ))" \
@@ -493,7 +500,7 @@ for k in "${!targets[@]}"; do
       part=$(( http_share / ${#placements[@]} ))
       if (( part < 60 )); then say "http $name $placement: no time left ($part s)"; continue; fi
       say "http $name $placement: concurrency $HTTP, $part s"
-      timeout -s TERM -k 20 "$part" "$PY" bench/http_bench.py -m "$model" --concurrency "$HTTP" "${servers[@]}" \
+      timeout -s TERM -k 20 "$part" "${penv[@]}" "$PY" bench/http_bench.py -m "$model" --concurrency "$HTTP" "${servers[@]}" \
         --prompt-tokens "${HTTP_PP:-128}" --max-tokens "${HTTP_TG:-64}" --reps "${HTTP_REPS:-2}" \
         --flags "${flags[*]}" --llama-flags "-ngl $ngl -lv 4" ${tflags:+--tandem-flags "$tflags"} --budget "$(( part - 25 ))" --start-timeout "$(( part / 3 ))" \
         --out "/tmp/http_${name}_$placement" >"/tmp/http_${name}_$placement.out" 2>&1

@@ -1,11 +1,12 @@
 """One layer's routed experts on the CPU, ggml's graph against tandem's kernel (tandem.quant.moe_kernel).
 
-    python bench/moe_kernel.py MODEL.gguf [--layers 0,1] [--tokens 1,2,4,8,16,32,64] [--threads 16] [--reps 30]
+    python bench/moe_kernel.py MODEL.gguf [--layers 0,1] [--tokens 1,2,4,8,16,32,64,128] [--threads 16] [--reps 30]
 
 For each layer and token count: T tokens, each routed to top_k distinct experts drawn uniformly (a batched decode
 step of T sequences), the whole SwiGLU expert FFN (`CPUKernels.gated_experts`) timed with ggml's `mul_mat_id` graph
-(`native=False`) and with the kernel, alternating, medians of --reps calls; prints µs per call, the ratio, the
-distinct experts and the largest difference relative to the output's largest value.
+(`native=False`), with ggml's graph on the Q4_K stacks repacked (`--repack-experts`, where ggml repacks them here)
+and with the kernel, taking turns, medians of --reps calls; prints µs per call, the ratios, the distinct experts
+and the kernel's largest difference from ggml relative to the output's largest value.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from tandem.gguf import open_gguf
 from tandem.quant import moe_kernel
 from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
-from tandem.quant.ggml_weights import GGMLWeight
+from tandem.quant.ggml_weights import GGMLWeight, repack_experts
 
 
 def layer_ffn(path: str, layer: int) -> tuple[ExpertFFN, int]:
@@ -36,7 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--layers", default="0")
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
@@ -49,25 +50,33 @@ def main() -> None:
             ffn, top_k = layer_ffn(args.model, layer)
             e = ffn.down.shape[0]
             types = "/".join(w.qtype.name for w in (*ffn.stacks, ffn.down))
+            stacks = {"gate": ffn.gate, "up": ffn.up, "down": ffn.down}
+            packed = {k: repack_experts(w) for k, w in stacks.items() if w is not None}
+            repacked = ExpertFFN(glu="swiglu", **packed) if any(w.repacked for w in packed.values()) else None
             for t in (int(v) for v in args.tokens.split(",")):
                 g = torch.Generator().manual_seed(t)
                 x = torch.randn(t, ffn.stacks[0].shape[-1], generator=g)
                 ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(t)]).to(torch.int32)
                 w = torch.rand(t, top_k, generator=g)
-                times: dict[str, list[float]] = {"ggml": [], "kernel": []}
+                runs = {"ggml": (ggml_side, ffn), "kernel": (kernel_side, ffn)}
+                if repacked is not None:
+                    runs["repacked"] = (ggml_side, repacked)
+                times: dict[str, list[float]] = {name: [] for name in runs}
+                outs = {}
                 for _ in range(args.reps):
-                    for name, side in (("ggml", ggml_side), ("kernel", kernel_side)):
+                    for name, (side, f) in runs.items():
                         start = time.perf_counter()
-                        out = side.gated_experts(x, ffn, ids, w)
+                        outs[name] = side.gated_experts(x, f, ids, w)
                         times[name].append(time.perf_counter() - start)
-                        if name == "ggml":
-                            ref = out
-                diff = ((out - ref).abs().max() / ref.abs().max()).item()
-                a, b = (statistics.median(times[n]) * 1e6 for n in ("ggml", "kernel"))
+                ref = outs["ggml"]
+                diff = ((outs["kernel"] - ref).abs().max() / ref.abs().max()).item()
+                us = {name: statistics.median(v) * 1e6 for name, v in times.items()}
                 distinct = len(set(ids.flatten().tolist()))
-                print(f"layer {layer} {types} T={t:3d} distinct {distinct:3d}: ggml {a:8.0f} µs  kernel {b:8.0f} µs"
-                      f"  ggml/kernel {a / b:.2f}  diff {diff:.1e}")  # fmt: skip
-
+                line = (f"layer {layer} {types} T={t:3d} distinct {distinct:3d}: ggml {us['ggml']:8.0f} µs  kernel "
+                        f"{us['kernel']:8.0f} µs  ggml/kernel {us['ggml'] / us['kernel']:.2f}")  # fmt: skip
+                if "repacked" in us:
+                    line += f"  repacked {us['repacked']:8.0f} µs  repacked/kernel {us['repacked'] / us['kernel']:.2f}"
+                print(f"{line}  diff {diff:.1e}")
 
 if __name__ == "__main__":
     main()
