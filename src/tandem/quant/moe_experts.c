@@ -5,7 +5,7 @@
 // products of the K-quant codes with them per sub-block, scaled by the blocks' float16 scales and summed in float32.
 // Only the order of the float32 sums differs from ggml's, as between any two of ggml's own SIMD paths.
 //
-// Built by tandem.quant.native (cc -O3 -march=native -fopenmp); the AVX-512 path needs AVX512BW, the portable path
+// Built by tandem.quant.moe_kernel (cc -O3 -march=native -fopenmp); the AVX-512 path needs AVX512BW, the portable path
 // (plain C) computes the same integers everywhere else.
 #include <math.h>
 #include <stdint.h>
@@ -307,10 +307,7 @@ static int rows_per_item(size_t total_rows, int n_threads) {
     return r < 32 ? 32 : r > 256 ? 256 : (int)r;
 }
 
-// The SwiGLU routed experts of T tokens: out[t] = sum_a weights[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
-// e = ids[t, a]. gate and up are (E, F, K) stacks, or one (E, 2F, K) stack `gate_up` with the gate rows first
-// (pass it as gate and up = NULL); down is (E, D, F). K and F are multiples of 256. scratch holds
-// moe_experts_scratch_bytes(...) bytes. Returns 0, or -1 for a type or shape this kernel does not take.
+// The working memory moe_experts_swiglu needs for t tokens of a slots each, e experts, sizes k, f, d.
 size_t moe_experts_scratch_bytes(int t, int a, int e, int k, int f, int d) {
     const size_t slots = (size_t)t * a;
     return (size_t)t * (k / QK) * sizeof(block_q8_K)  // the tokens, quantized
@@ -327,6 +324,11 @@ static void *take(uint8_t **p, size_t n) {
     return q;
 }
 
+// The SwiGLU routed experts of t tokens: out[i] = sum_j weights[i, j] * down_e(silu(gate_e(x_i)) * up_e(x_i)),
+// e = ids[i, j] (j < a, e < E). gate and up are (E, F, K) stacks, or one (E, 2F, K) stack `gate_up` with the gate
+// rows first (pass it as gate and up = NULL); down is (E, D, F). K and F are multiples of 256. scratch holds
+// moe_experts_scratch_bytes(...) bytes (not read before written). Returns 0, or -1 for a type or shape this kernel
+// does not take or an expert id out of range.
 int moe_experts_swiglu(int t, int a, int e, int k, int f, int d, const void *gate, int gate_type, const void *up,
                        int up_type, const void *down, int down_type, const float *x, const int32_t *ids,
                        const float *weights, float *out, void *scratch, int n_threads) {

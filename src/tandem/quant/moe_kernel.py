@@ -124,8 +124,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         path = _cache_dir() / f"moe_experts-{key}.so"
         if not path.exists():
             compile_library(path)
+            log.debug("built %s into %s", SOURCE.name, path)
         lib = load(path)
     except (OSError, subprocess.SubprocessError) as e:
+        log.debug("tandem's MoE kernel is not used: %s", e)
         return None, str(e)
     if not lib.moe_experts_simd():
         return None, "the CPU has no AVX-512BW (the kernel's portable path is slower than ggml)"
