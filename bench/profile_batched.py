@@ -7,7 +7,7 @@ prefilled together, per placement.
 For each placement: the wall time of a decode step of N rows (the mean over 16 steps), the GPU kernels of a few
 such steps (torch profiler, graph replays included) by total GPU time, with their count per step, and the same
 for the prefill of N prompts of PP tokens. What bench/batched_compare.py measures end to end, taken apart.
-With --host-ops (`--cpu-moe` placements whose experts all compute on the CPU): how long ggml's experts take where
+With --host-ops (`--cpu-moe` placements whose experts all compute on the CPU): how long the CPU experts take where
 the captured decode step runs them, and the same calls again on the step's last inputs, back to back and with a GPU
 layer's time between them (are they slower in the step, and is it the pause?); the bytes of the distinct experts
 those calls read, their rate, and the host's read rate at the same threads (a float32 sum over 2 GiB): how near
@@ -103,8 +103,8 @@ def _replay_ms(ops: list[Callable[[], None]], repeats: int, gap_s: float) -> flo
 
 
 class HostOpTimes:
-    """Times ggml's CPU experts where the decode step runs them: OffloadedExperts' prepared host calls wrapped
-    (before the model loads), each layer's latest kept to be run again alone."""
+    """Times the CPU experts (tandem's kernel or ggml's graph) where the decode step runs them: OffloadedExperts'
+    prepared host calls wrapped (before the model loads), each layer's latest kept to be run again alone."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -159,11 +159,15 @@ class HostOpTimes:
         while engine.has_work:
             engine.step()
         self.latest.clear()  # this model's calls: the next placement loads its own
+        from tandem.quant import moe_kernel
+
+        ok, why = moe_kernel.available()
+        who = "tandem's kernel (Q4_K/Q6_K SwiGLU layers)" if ok else f"ggml's graph ({why})"
         return (
             f"{_threads()}\n"
-            f"ggml's experts in a decode step of {n} rows: {wall:.2f} ms wall per step, {in_step:.2f} ms in "
-            f"{calls:.0f} host calls ({in_step / wall:.0%}); the {len(ops)} layers' last calls again, back to "
-            f"back: {alone:.2f} ms; {GAP_S * 1e3:.2f} ms apart: {apart:.2f} ms\n"
+            f"the CPU experts, by {who}, in a decode step of {n} rows: {wall:.2f} ms wall per step, "
+            f"{in_step:.2f} ms in {calls:.0f} host calls ({in_step / wall:.0%}); the {len(ops)} layers' last calls "
+            f"again, back to back: {alone:.2f} ms; {GAP_S * 1e3:.2f} ms apart: {apart:.2f} ms\n"
             f"those calls read {distinct / max(len(latest), 1):.1f} distinct experts per layer, {read_gb:.2f} GB: "
             f"{read_gb / alone * 1e3:.1f} GB/s back to back; the host reads {_read_rate_gbs(threads):.1f} GB/s "
             f"({threads} threads, float32 sum of 2 GiB, best of 5)"
@@ -288,7 +292,7 @@ def main() -> None:
     p.add_argument("--host", type=int, default=0, help="functions listed in the prefill's host profile (0: none)")
     p.add_argument("--sampler", action="store_true", help="the bench worker's VRAM sampler thread runs meanwhile")
     p.add_argument(
-        "--host-ops", action="store_true", help="time ggml's experts in the decode step and alone (--cpu-moe alone)"
+        "--host-ops", action="store_true", help="time the CPU experts in the decode step and alone (--cpu-moe alone)"
     )
     args = p.parse_args()
     host_ops = HostOpTimes() if args.host_ops else None
