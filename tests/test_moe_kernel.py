@@ -118,9 +118,9 @@ def test_the_portable_build_computes_the_same_integers(tmp_path: Path, types: tu
 
 
 @native_kernel
-def test_gated_experts_take_the_kernel_up_to_8_tokens_an_expert(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPUKernels hands an FFN the kernel takes to it up to 8 tokens an expert on average, and to ggml's graph past
-    that, and for other gated units, biases and types."""
+def test_gated_experts_take_the_kernel_from_2_tokens_up_to_8_an_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPUKernels hands an FFN the kernel takes to it from 2 tokens up to 8 tokens an expert on average, and to
+    ggml's graph for one token, past 8 an expert, and for other gated units, biases and types."""
     calls: list[int] = []
     real = moe_kernel.experts_into
 
@@ -131,20 +131,20 @@ def test_gated_experts_take_the_kernel_up_to_8_tokens_an_expert(monkeypatch: pyt
     monkeypatch.setattr(moe_kernel, "experts_into", counting)
     ffn = ffn_of((Q.Q4_K, Q.Q4_K, Q.Q6_K))
     with CPUKernels(2) as kernels:
-        for t in (1, 32, 33, 40):  # 32 tokens x 4 slots = 8 an expert
+        for t in (1, 2, 32, 33, 40):  # 32 tokens x 4 slots = 8 an expert
             x, ids, w = routes(t, seed=t)
             kernels.gated_experts(x, ffn, ids, w)
-        assert calls == [1, 32]
+        assert calls == [2, 32]
         geglu = ExpertFFN(down=ffn.down, glu="geglu", gate=ffn.gate, up=ffn.up)
         biased = ExpertFFN(down=ffn.down, glu="swiglu", gate=ffn.gate, up=ffn.up, down_bias=torch.zeros(E, D))
         q5 = ExpertFFN(down=ffn.down, glu="swiglu", gate=random_stack(Q.Q5_K, (E, F, K), 4), up=ffn.up)
         for other in (geglu, biased, q5):
             x, ids, w = routes(2, seed=2)
             kernels.gated_experts(x, other, ids, w)
-        assert calls == [1, 32]
+        assert calls == [2, 32]
     with CPUKernels(2, native=False) as kernels:
         kernels.gated_experts(*routes(3, seed=3)[:1], ffn, *routes(3, seed=3)[1:])
-    assert calls == [1, 32]
+    assert calls == [2, 32]
 
 
 @native_kernel

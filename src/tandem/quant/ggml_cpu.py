@@ -459,7 +459,7 @@ class CPUKernels:
         bytes and call; else None."""
         e, _, f = ffn.down.shape
         t, a = ids.shape
-        if not self.native or t * a > moe_kernel.MAX_TOKENS_PER_EXPERT * e:  # ggml's tiled kernel is as fast
+        if not self.native or t < moe_kernel.MIN_TOKENS or t * a > moe_kernel.MAX_TOKENS_PER_EXPERT * e:
             return None
         stacks = ffn.stacks
         extras = any(v is not None for v in (ffn.gate_bias, ffn.up_bias, ffn.down_bias, ffn.down_scale))

@@ -8,11 +8,12 @@ arithmetic is ggml's (the same Q8_K activations, the same integer dot products p
 float32 sums in another order): see moe_experts.c. Measured in docs/PERFORMANCE.md (`bench/moe_kernel.py`).
 
 It takes Q4_K and Q6_K stacks (the Q4_K_M and Q6_K mixes' experts) of a SwiGLU FFN without biases or per-expert
-scales, not repacked, up to 8 tokens an expert on average, on a CPU with AVX-512BW (its portable C path is 3-4x
-slower than ggml: tests only); everything else stays with ggml. Built with the machine's C compiler (`cc -O3
--march=native -fopenmp`: GCC's OpenMP runtime, the one ggml's build runs its threads in, so both share one team)
-into ~/.cache/tandem/native, named by the source, the compiler and the CPU. `TANDEM_MOE_KERNEL=ggml` keeps every
-expert with ggml (llama.cpp's bits); `available()` says why the kernel is not used, where it is not.
+scales, not repacked, from 2 tokens (a batched step) up to 8 tokens an expert on average, on a CPU with AVX-512BW
+(its portable C path is 3-4x slower than ggml: tests only); everything else stays with ggml. Built with the
+machine's C compiler (`cc -O3 -march=native -fopenmp`: GCC's OpenMP runtime, the one ggml's build runs its threads
+in, so both share one team) into ~/.cache/tandem/native, named by the source, the compiler and the CPU.
+`TANDEM_MOE_KERNEL=ggml` keeps every expert with ggml (llama.cpp's bits); `available()` says why the kernel is not
+used, where it is not.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
 # Up to this many tokens an expert on average (a step's slots over the experts); past it ggml's tiled kernel comes
 # close (dev machine, Qwen3-30B-A3B's shapes: 1.27-1.59x faster than ggml at 8 an expert, 0.95-1.32x at 16).
 MAX_TOKENS_PER_EXPERT = 8
+# One token (a single sequence's decode) stays with ggml until the GPU machine's host has measured the kernel there:
+# the single-stream --cpu-moe figures are ggml's (dev machine: the kernel 1.03-1.32x ggml at one token).
+MIN_TOKENS = 2
 
 
 def _cache_dir() -> Path:
