@@ -30,10 +30,12 @@ def random_stack(qtype: Q, shape: tuple[int, int, int], seed: int) -> GGMLWeight
     n_blocks = shape[0] * shape[1] * shape[2] // block
     data = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
     scales = rng.uniform(0.5, 2.0, (n_blocks, 2)).astype(np.float16) / np.float16(64)
-    if qtype == Q.Q4_K:  # d, dmin lead the block
-        data[:, 0:4] = scales.view(np.uint8)
-    else:  # Q6_K: d ends it
+    if qtype == Q.Q6_K:  # d ends the block
         data[:, size - 2 : size] = scales[:, :1].view(np.uint8)
+    elif qtype == Q.Q8_0:  # d leads it
+        data[:, 0:2] = scales[:, :1].view(np.uint8)
+    else:  # Q4_K, Q5_K: d, dmin lead it
+        data[:, 0:4] = scales.view(np.uint8)
     return GGMLWeight(data.reshape(-1), qtype, shape)
 
 
@@ -77,11 +79,13 @@ def close_to_ggml(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @native_kernel
-@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K, Q.Q4_K), (Q.Q6_K, Q.Q6_K, Q.Q6_K)])
+@pytest.mark.parametrize(
+    "types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K, Q.Q4_K), (Q.Q5_K, Q.Q5_K, Q.Q6_K), (Q.Q6_K, Q.Q6_K, Q.Q6_K)]
+)
 @pytest.mark.parametrize("t", [1, 3, 9, 20])
 def test_the_kernel_computes_what_ggml_does(types: tuple[Q, Q, Q], t: int) -> None:
     """Tokens routed 1 to 9 an expert (20 tokens x 4 of 16 experts: 5 on average; 9 on one takes two groups of a
-    row's unpacking), every Q4_K_M expert type."""
+    row's unpacking), the expert types of the Q4_K_M, Q5_K_M and Q6_K mixes."""
     ffn = ffn_of(types)
     x, ids, w = routes(t, seed=t)
     with CPUKernels(2, native=False) as ggml_kernels:
@@ -99,7 +103,7 @@ def test_a_fused_gate_up_stack_is_read_as_gate_rows_then_up_rows() -> None:
 
 
 @pytest.mark.skipif(moe_kernel.compiler() is None, reason="no C compiler")
-@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K, Q.Q4_K)])
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K)])
 def test_the_portable_build_computes_the_same_integers(tmp_path: Path, types: tuple[Q, Q, Q]) -> None:
     """Built without AVX-512 (plain C: the integers written out one by one, the reference the vector code is checked
     against on any machine), the kernel gives ggml's results, and the AVX-512 build's where that runs."""
@@ -137,8 +141,8 @@ def test_gated_experts_take_the_kernel_from_2_tokens_up_to_8_an_expert(monkeypat
         assert calls == [2, 32]
         geglu = ExpertFFN(down=ffn.down, glu="geglu", gate=ffn.gate, up=ffn.up)
         biased = ExpertFFN(down=ffn.down, glu="swiglu", gate=ffn.gate, up=ffn.up, down_bias=torch.zeros(E, D))
-        q5 = ExpertFFN(down=ffn.down, glu="swiglu", gate=random_stack(Q.Q5_K, (E, F, K), 4), up=ffn.up)
-        for other in (geglu, biased, q5):
+        q8 = ExpertFFN(down=ffn.down, glu="swiglu", gate=random_stack(Q.Q8_0, (E, F, K), 4), up=ffn.up)
+        for other in (geglu, biased, q8):
             x, ids, w = routes(2, seed=2)
             kernels.gated_experts(x, other, ids, w)
         assert calls == [2, 32]

@@ -8,6 +8,7 @@
 // Built by tandem.quant.moe_kernel (cc -O3 -march=native -fopenmp); the AVX-512 path needs AVX512BW, the portable path
 // (plain C) computes the same integers everywhere else.
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,10 +26,11 @@
 
 typedef uint16_t f16_t;
 typedef struct { f16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } block_q4_K;    // 144 bytes
+typedef struct { f16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } block_q5_K;  // 176 bytes
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; f16_t d; } block_q6_K;  // 210 bytes
 typedef struct { float d; int8_t qs[QK]; int16_t bsums[16]; } block_q8_K;                  // 292 bytes
 
-enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 };  // ggml_type values
+enum { TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 };  // ggml_type values
 
 #if defined(__F16C__)
 static float f16_to_f32(f16_t h) { return _cvtsh_ss(h); }
@@ -113,9 +115,12 @@ static inline __m512i block_dot(const __m512i q[4], const __m512i s[4], const in
 }
 #endif
 
-// dot(row, x[t]) for t < n of one Q4_K row of nb blocks; x[t] points at token t's nb Q8_K blocks
-static inline __attribute__((always_inline)) void dot_q4_K(const block_q4_K *w, int nb, const block_q8_K *const *x,
-                                                           int n, float *out) {
+// dot(row, x[t]) for t < n of one Q4_K (fifth = 0) or Q5_K (fifth = 1: each code's fifth bit in qh) row of nb blocks;
+// x[t] points at token t's nb Q8_K blocks. Both blocks are {d, dmin, scales[12], [qh[32],] qs[128]}.
+static inline __attribute__((always_inline)) void dot_q45_K(const uint8_t *row, int fifth, int nb,
+                                                            const block_q8_K *const *x, int n, float *out) {
+    const size_t bsize = fifth ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    const size_t qs_at = fifth ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs);
 #if MOE_AVX512
     __m512 acc[MAX_TOKENS];
     __m128 accm[MAX_TOKENS];
@@ -123,25 +128,34 @@ static inline __attribute__((always_inline)) void dot_q4_K(const block_q4_K *w, 
         acc[t] = _mm512_setzero_ps();
         accm[t] = _mm_setzero_ps();
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(0x01);
     // lane i of a [sub-block 2j: 16 int16 | 2j+1: 16 int16] pair takes scale 2j or 2j+1
     const __m512i pick0 = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i pick[4];
     for (int j = 0; j < 4; j++) pick[j] = _mm512_add_epi16(pick0, _mm512_set1_epi16((short)(2 * j)));
     for (int b = 0; b < nb; b++) {
+        const block_q4_K *head = (const block_q4_K *)(row + b * bsize);  // d, dmin and scales lead both types
+        const uint8_t *qs = row + b * bsize + qs_at;
         uint8_t sc[8], mn[8];
-        q4k_scales_mins(w[b].scales, sc, mn);
+        q4k_scales_mins(head->scales, sc, mn);
         const __m512i sc16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)sc)));
         const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
         __m512i q[4], s[4];
         for (int j = 0; j < 4; j++) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(w[b].qs + 32 * j));
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
             q[j] = _mm512_and_si512(both, low4);
+            if (fifth) {  // bit 2j of qh[l] tops code l of sub-block 2j, bit 2j + 1 code l of sub-block 2j + 1
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)((const block_q5_K *)head)->qh);
+                const __m256i lo = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j));
+                const __m256i hi = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1));
+                const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                q[j] = _mm512_or_si512(q[j], _mm512_slli_epi16(_mm512_and_si512(bits, one), 4));
+            }
             s[j] = _mm512_permutexvar_epi16(pick[j], sc16);
         }
-        const float d = f16_to_f32(w[b].d), dmin = f16_to_f32(w[b].dmin);
+        const float d = f16_to_f32(head->d), dmin = f16_to_f32(head->dmin);
         for (int t = 0; t < n; t++) {
             const block_q8_K *y = &x[t][b];
             __m512i sum = block_dot(q, s, y->qs);
@@ -162,16 +176,23 @@ static inline __attribute__((always_inline)) void dot_q4_K(const block_q4_K *w, 
 #else
     float acc[MAX_TOKENS] = {0};
     for (int b = 0; b < nb; b++) {
+        const block_q4_K *head = (const block_q4_K *)(row + b * bsize);
+        const uint8_t *qs = row + b * bsize + qs_at;
         uint8_t sc[8], mn[8];
-        q4k_scales_mins(w[b].scales, sc, mn);
+        q4k_scales_mins(head->scales, sc, mn);
         uint8_t q[QK];
         for (int j = 0; j < 4; j++) {
             for (int l = 0; l < 32; l++) {
-                q[64 * j + l] = w[b].qs[32 * j + l] & 0xf;
-                q[64 * j + 32 + l] = w[b].qs[32 * j + l] >> 4;
+                q[64 * j + l] = qs[32 * j + l] & 0xf;
+                q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+                if (fifth) {
+                    const uint8_t h = ((const block_q5_K *)head)->qh[l];
+                    q[64 * j + l] += ((h >> (2 * j)) & 1) << 4;
+                    q[64 * j + 32 + l] += ((h >> (2 * j + 1)) & 1) << 4;
+                }
             }
         }
-        const float d = f16_to_f32(w[b].d), dmin = f16_to_f32(w[b].dmin);
+        const float d = f16_to_f32(head->d), dmin = f16_to_f32(head->dmin);
         for (int t = 0; t < n; t++) {
             const block_q8_K *y = &x[t][b];
             int sumi = 0, summ = 0;
@@ -265,7 +286,9 @@ static inline __attribute__((always_inline)) void dot_q6_K(const block_q6_K *w, 
         float part[MAX_TOKENS];                                                                                      \
         for (int r = r0; r < r1; r++) {                                                                              \
             if (type == TYPE_Q4_K) {                                                                                 \
-                dot_q4_K((const block_q4_K *)(mat + r * rb), k / QK, x, N, part);                                   \
+                dot_q45_K(mat + r * rb, 0, k / QK, x, N, part);                                                      \
+            } else if (type == TYPE_Q5_K) {                                                                          \
+                dot_q45_K(mat + r * rb, 1, k / QK, x, N, part);                                                      \
             } else {                                                                                                 \
                 dot_q6_K((const block_q6_K *)(mat + r * rb), k / QK, x, N, part);                                   \
             }                                                                                                        \
@@ -282,7 +305,10 @@ ROWS_DOT(7)
 ROWS_DOT(8)
 
 static size_t row_bytes(int type, int k) {
-    return (size_t)(k / QK) * (type == TYPE_Q4_K ? sizeof(block_q4_K) : sizeof(block_q6_K));
+    const size_t block = type == TYPE_Q4_K   ? sizeof(block_q4_K)
+                         : type == TYPE_Q5_K ? sizeof(block_q5_K)
+                                             : sizeof(block_q6_K);
+    return (size_t)(k / QK) * block;
 }
 
 // out[t][r] = dot(row r, x[t]) for rows [r0, r1) of a matrix of `type` and tokens t < n <= MAX_TOKENS
@@ -294,7 +320,7 @@ static void rows_dot(int type, const uint8_t *mat, int k, int r0, int r1, const 
     by_count[n - 1](type, mat, row_bytes(type, k), k, r0, r1, x, out);
 }
 
-int moe_experts_supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+int moe_experts_supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
 
 int moe_experts_simd(void) { return MOE_AVX512; }
 

@@ -7,13 +7,13 @@ down, the mix by the routing weights) as one call over one team of threads, in l
 arithmetic is ggml's (the same Q8_K activations, the same integer dot products per sub-block, float16 scales,
 float32 sums in another order): see moe_experts.c. Measured in docs/PERFORMANCE.md (`bench/moe_kernel.py`).
 
-It takes Q4_K and Q6_K stacks (the Q4_K_M and Q6_K mixes' experts) of a SwiGLU FFN without biases or per-expert
-scales, not repacked, from 2 tokens (a batched step) up to 8 tokens an expert on average, on a CPU with AVX-512BW
-(its portable C path is 3-4x slower than ggml: tests only); everything else stays with ggml. Built with the
-machine's C compiler (`cc -O3 -march=native -fopenmp`: GCC's OpenMP runtime, the one ggml's build runs its threads
-in, so both share one team) into ~/.cache/tandem/native, named by the source, the compiler and the CPU.
-`TANDEM_MOE_KERNEL=ggml` keeps every expert with ggml (llama.cpp's bits); `available()` says why the kernel is not
-used, where it is not.
+It takes Q4_K, Q5_K and Q6_K stacks (the experts of the Q4_K_M, Q5_K_M and Q6_K mixes) of a SwiGLU FFN without
+biases or per-expert scales, not repacked, from 2 tokens (a batched step) up to 8 tokens an expert on average, on a
+CPU with AVX-512BW (its portable C path is 3-4x slower than ggml: tests only); everything else stays with ggml.
+Built with the machine's C compiler (`cc -O3 -march=native -fopenmp`: GCC's OpenMP runtime, the one ggml's build
+runs its threads in, so both share one team) into ~/.cache/tandem/native, named by the source, the compiler and
+the CPU. `TANDEM_MOE_KERNEL=ggml` keeps every expert with ggml (llama.cpp's bits); `available()` says why the
+kernel is not used, where it is not.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("moe_experts.c")
 ENV = "TANDEM_MOE_KERNEL"  # "auto" (default): where it takes an FFN; "ggml" ("off", "0"): never
-TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
 # Up to this many tokens an expert on average (a step's slots over the experts); past it ggml's tiled kernel comes
 # close (dev machine, Qwen3-30B-A3B's shapes: 1.27-1.59x faster than ggml at 8 an expert, 0.95-1.32x at 16).
 MAX_TOKENS_PER_EXPERT = 8
