@@ -13,7 +13,9 @@ or four `data` pointers into the cached ggml tensors and runs the graph.
 
 The matrices of a CPU model are held as llama.cpp's CPU backend holds them (repacked copies:
 `tandem.quant.ggml_weights`), and ggml is the version llama.cpp runs (`require_ggml`: its tiled K-quant kernel for 8
-rows or more among others), so that the products are llama.cpp's to the bit.
+rows or more among others), so that the products are llama.cpp's to the bit. One exception, beside a GPU: a batched
+step's routed experts in host RAM go to tandem's own kernel where it takes them (`tandem.quant.moe_kernel`: ggml's
+integers, float32 sums in another order).
 """
 
 from __future__ import annotations
@@ -432,6 +434,8 @@ class CPUKernels:
 
             def run_native() -> None:
                 with self._lock:  # one team of OpenMP threads at a time, as for ggml's graphs
+                    if self._backend is None:
+                        raise RuntimeError("CPUKernels is closed")
                     compute(self._moe_scratch.data_ptr())
 
             return run_native
@@ -552,6 +556,7 @@ class CPUKernels:
             if self._threadpool is not None:  # after the backend that uses it
                 ggml.ggml_threadpool_free(self._threadpool)
                 self._threadpool = None
+            self._moe_scratch = torch.empty(0, dtype=torch.uint8)
 
     def __enter__(self) -> CPUKernels:
         return self
