@@ -20,7 +20,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.expert_ffn import ExpertFFN
+from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
 
 

@@ -20,7 +20,8 @@ import torch
 
 from tandem.gguf import open_gguf
 from tandem.quant import moe_kernel
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.expert_ffn import ExpertFFN
+from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight, repack_experts
 
 

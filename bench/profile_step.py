@@ -33,7 +33,8 @@ import torch
 
 import tandem
 from tandem.cuda.host_memory import HostRegistration
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.expert_ffn import ExpertFFN
+from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
 from tandem.weights.offload import HOST_FLAGS_ENV
 

@@ -25,7 +25,8 @@ import torch
 
 import tandem
 from tandem.layers.moe import RoutedExperts, Routing
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.expert_ffn import ExpertFFN
+from tandem.quant.ggml_cpu import CPUKernels
 from tandem.weights.offload import OffloadedExperts
 
 

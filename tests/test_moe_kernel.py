@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType as Q
 
 from tandem.errors import TandemError
 from tandem.quant import moe_kernel
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN
+from tandem.quant.expert_ffn import ExpertFFN
+from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
 
 # The kernel is used on CPUs with AVX-512BW; its portable build is tested wherever there is a C compiler.

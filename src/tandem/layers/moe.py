@@ -15,7 +15,8 @@ import torch
 from tandem.layers.activations import GLU, gelu_from_table, ggml_gelu_table
 from tandem.layers.linear import Experts, GGMLExperts, Linear
 from tandem.layers.norm import rms_norm
-from tandem.quant.ggml_cpu import CPUKernels, ExpertFFN, check_gate_up
+from tandem.quant.expert_ffn import ExpertFFN, check_gate_up
+from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
 
 # The result of routed experts that may still be computing on the host (see weights/offload.py).

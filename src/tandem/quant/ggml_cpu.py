@@ -25,7 +25,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ggml
 import numpy as np
@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType
 
 from tandem.errors import InstallationError, UnsupportedModelError
 from tandem.quant import moe_kernel
+from tandem.quant.expert_ffn import ExpertFFN, as_f32, expert_ffn_nodes
 from tandem.quant.ggml_weights import (
     GGMLWeight,
     RepackedTensor,
@@ -43,7 +44,7 @@ from tandem.quant.ggml_weights import (
     point_weight,
 )
 
-__all__ = ["CPUKernels", "ExpertFFN", "check_gate_up", "expert_ffn_nodes"]
+__all__ = ["CPUKernels"]
 
 # Graphs kept per CPUKernels. A model has a handful of (type, N, K) combinations per layer kind, and
 # decode uses one token count; prefill adds one set per distinct chunk length. Each entry is ~3 KiB.
@@ -70,81 +71,6 @@ class _Graph:
         self.x = x
         self.ids = ids
         self.out = out
-
-
-# ggml's gated units of two tensors (gate, up) -> hidden: the op and its number of float arguments.
-_GLU_OPS: dict[str, tuple[Callable[..., ggml.ggml_tensor_p], int]] = {
-    "swiglu": (ggml.ggml_swiglu_split, 0),  # silu(gate) * up
-    "geglu": (ggml.ggml_geglu_split, 0),  # gelu(gate) * up, ggml's f16 GELU table on the CPU
-    "swiglu_oai": (ggml.ggml_swiglu_oai, 2),  # gpt-oss's clamped SwiGLU: alpha, limit
-}
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: identity equality/hash (tensor fields do not compare)
-class ExpertFFN:
-    """Routed experts as one ggml graph computes them (`CPUKernels.gated_experts`): for each selected expert e,
-    (down_e(glu(gate_e(x) + bg_e, up_e(x) + bu_e)) * s_e + bd_e) * w, summed over the A selected experts.
-
-    Gate and up are two stacks (E, F, K), or one fused stack `gate_up` (E, 2F, K) with the gate rows first
-    (llama.cpp's `ffn_gate_up_exps`); down is (E, D, F). `glu` names ggml's gated unit of two tensors
-    ("swiglu", "geglu", "swiglu_oai") and `glu_params` its float arguments (swiglu_oai: alpha, limit). The
-    optional vectors are gate/up biases [E, F], a down bias [E, D] and a per-expert output scale [E], kept
-    here as contiguous float32 CPU tensors whose memory the graph reads.
-    """
-
-    down: GGMLWeight
-    glu: str
-    glu_params: tuple[float, ...] = ()
-    gate: GGMLWeight | None = None
-    up: GGMLWeight | None = None
-    gate_up: GGMLWeight | None = None
-    gate_bias: torch.Tensor | None = None
-    up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
-    # What tells one graph from another, besides the token and slot counts (the cache key).
-    structure: tuple[object, ...] = field(init=False, repr=False)
-    # ggml type, shape (ggml order), address and repacked copy (or None) of each weight and vector, in the
-    # graph's input order.
-    inputs: dict[str, tuple[int, tuple[int, ...], int, RepackedTensor | None]] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        op = _GLU_OPS.get(self.glu)
-        if op is None or len(self.glu_params) != op[1]:
-            raise ValueError(f"no ggml gated unit {self.glu!r} taking {len(self.glu_params)} parameters")
-        check_gate_up("ExpertFFN", self.gate, self.up, self.gate_up)
-        fused = self.gate_up is not None
-        if len(self.down.shape) != 3:
-            raise ValueError(f"down must be an (E, D, F) stack, got shape {self.down.shape}")
-        e, d, f = self.down.shape
-        k = self.stacks[0].shape[-1]
-        shapes = {"gate_up": (e, 2 * f, k)} if fused else {"gate": (e, f, k), "up": (e, f, k)}
-        shapes |= {"down": (e, d, f), "gate_bias": (e, f), "up_bias": (e, f), "down_bias": (e, d), "down_scale": (e,)}
-        inputs = {}
-        for name, shape in shapes.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{name} must have shape {shape} for down {self.down.shape}, got {tuple(value.shape)}")
-            ne = shape[::-1] if len(shape) > 1 else (1, e)
-            if isinstance(value, GGMLWeight):
-                inputs[name] = (int(value.qtype), ne, value.ptr, value.repacked)
-            else:
-                value = _as_f32(value)
-                object.__setattr__(self, name, value)
-                inputs[name] = (ggml.GGML_TYPE_F32, ne, value.data_ptr(), None)
-        object.__setattr__(self, "inputs", inputs)
-        kinds = tuple((name, gtype, repacked is not None) for name, (gtype, _, _, repacked) in inputs.items())
-        object.__setattr__(self, "structure", (self.glu, self.glu_params, kinds, e, f, k, d))
-
-    @property
-    def stacks(self) -> tuple[GGMLWeight, ...]:
-        """The input-side stacks: (gate_up,) or (gate, up)."""
-        if self.gate_up is not None:
-            return (self.gate_up,)
-        assert self.gate is not None and self.up is not None
-        return (self.gate, self.up)
 
 
 @dataclass(eq=False)
@@ -259,7 +185,7 @@ class CPUKernels:
         if len(w.shape) != 2:
             raise ValueError(f"matmul needs an (N, K) weight, got shape {w.shape}; use mul_mat_id for experts")
         n, k = w.shape
-        x = _as_f32(x)
+        x = as_f32(x)
         if x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"x must be [T, {k}], got {tuple(x.shape)}")
         t = x.shape[0]
@@ -301,7 +227,7 @@ class CPUKernels:
         for one compute call.
 
         x: [T, K]; gate, up: (F, K) matrices. Returns [T, F] float32."""
-        x = _as_f32(x)
+        x = as_f32(x)
         t = x.shape[0]
         f, k = gate.shape
         if up.shape != gate.shape or x.dim() != 2 or x.shape[1] != k or t == 0:
@@ -363,7 +289,7 @@ class CPUKernels:
         if len(w.shape) != 3:
             raise ValueError(f"mul_mat_id needs an (E, N, K) weight, got shape {w.shape}")
         e, n, k = w.shape
-        x = _as_f32(x)
+        x = as_f32(x)
         if ids.dim() != 2:
             raise ValueError(f"ids must be [T, A], got {tuple(ids.shape)}")
         t, a = ids.shape
@@ -405,7 +331,7 @@ class CPUKernels:
             return y.zero_()
         _check_ids(ids, ffn.down.shape[0])
         # named: a converted copy must outlive the compute call, which reads it through a raw pointer
-        x32, w32 = _as_f32(x), _as_f32(weights)
+        x32, w32 = as_f32(x), as_f32(weights)
         self.gated_experts_into(y, x32, ffn, ids, w32)()
         return y
 
@@ -463,16 +389,12 @@ class CPUKernels:
         bytes and call; else None."""
         e, _, f = ffn.down.shape
         t, a = ids.shape
-        if not self.native or t < moe_kernel.MIN_TOKENS or t * a > moe_kernel.MAX_TOKENS_PER_EXPERT * e:
+        if not (self.native and ffn.kernel_takes) or t < moe_kernel.MIN_TOKENS:
             return None
-        stacks = ffn.stacks
-        extras = any(v is not None for v in (ffn.gate_bias, ffn.up_bias, ffn.down_bias, ffn.down_scale))
-        repacked = any(w.repacked is not None for w in (*stacks, ffn.down))
-        types = tuple(w.qtype for w in (*stacks, ffn.down))
-        if not moe_kernel.takes(ffn.glu, types, stacks[0].shape[-1], f, extras, repacked):
+        if t * a > moe_kernel.MAX_TOKENS_PER_EXPERT * e:
             return None
         return moe_kernel.experts_into(
-            out, x, ids, weights, tuple((w.ptr, w.qtype) for w in stacks), (ffn.down.ptr, ffn.down.qtype), e, f,
+            out, x, ids, weights, tuple((w.ptr, w.qtype) for w in ffn.stacks), (ffn.down.ptr, ffn.down.qtype), e, f,
             self.n_threads,
         )
 
@@ -671,64 +593,6 @@ def _check_ids(ids: torch.Tensor, n: int, what: str = "expert") -> None:
     lo, hi = torch.aminmax(ids)
     if int(lo) < 0 or int(hi) >= n:
         raise ValueError(f"{what} ids must be in [0, {n}), got range [{int(lo)}, {int(hi)}]")
-
-
-def check_gate_up(owner: str, gate: object | None, up: object | None, gate_up: object | None) -> None:
-    """Experts have gate and up stacks, or one fused gate_up stack: exactly one of the two forms."""
-    fused_ok = gate_up is not None and gate is None and up is None
-    split_ok = gate_up is None and gate is not None and up is not None
-    if not (fused_ok or split_ok):
-        raise ValueError(f"{owner} needs gate and up, or gate_up alone")
-
-
-def expert_ffn_nodes(
-    ctx: int,
-    ffn: ExpertFFN,
-    w: dict[str, ggml.ggml_tensor_p],
-    x_t: ggml.ggml_tensor_p,
-    ids_t: ggml.ggml_tensor_p,
-    mix_t: ggml.ggml_tensor_p,
-) -> ggml.ggml_tensor_p:
-    """The nodes of a routed-expert FFN (the order of operations is llama.cpp's `build_moe_ffn`): w holds a tensor per
-    entry of `ffn.inputs`, x_t is [K, 1, T], ids_t [A, T] (int32), mix_t [1, A, T] (the routing weights). Returns the
-    mixed output [D, 1, T] (laid out as [T, D])."""
-    f = ffn.down.shape[2]
-    e = ffn.down.shape[0]
-    a, t = int(ids_t.contents.ne[0]), int(ids_t.contents.ne[1])
-    if "gate_up" in w:  # one product, then the gate and up halves of each row
-        gate_up = ggml.ggml_mul_mat_id(ctx, w["gate_up"], x_t, ids_t)  # [2F, A, T]
-        nb1, nb2 = gate_up.contents.nb[1], gate_up.contents.nb[2]
-        gate = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, 0)
-        up = ggml.ggml_view_3d(ctx, gate_up, f, a, t, nb1, nb2, f * gate_up.contents.nb[0])
-    else:
-        gate = ggml.ggml_mul_mat_id(ctx, w["gate"], x_t, ids_t)  # [F, A, T]
-        up = ggml.ggml_mul_mat_id(ctx, w["up"], x_t, ids_t)
-    if "gate_bias" in w:  # row ids[a, t] of the bias added to slot (a, t)
-        gate = ggml.ggml_add_id(ctx, gate, w["gate_bias"], ids_t)
-    if "up_bias" in w:
-        up = ggml.ggml_add_id(ctx, up, w["up_bias"], ids_t)
-    op, _ = _GLU_OPS[ffn.glu]
-    hidden = op(ctx, gate, up, *ffn.glu_params)  # [F, A, T]
-    experts = ggml.ggml_mul_mat_id(ctx, w["down"], hidden, ids_t)  # [D, A, T]
-    if "down_scale" in w:  # the selected experts' scales [1, A, T], as llama.cpp gathers them
-        scales = ggml.ggml_repeat_4d(ctx, w["down_scale"], 1, e, t, 1)  # [1, E, T]
-        experts = ggml.ggml_mul(ctx, experts, ggml.ggml_get_rows(ctx, scales, ids_t))
-    if "down_bias" in w:
-        experts = ggml.ggml_add_id(ctx, experts, w["down_bias"], ids_t)
-    # The mix sum_a w[a, t] * experts[:, a, t] as one outer product per token ([D, A] by [1, A]): one node of A
-    # contiguous multiply-adds of D values per token, where llama.cpp has a multiply and A - 1 adds (each node ends
-    # in a barrier of all threads) and a product over the slots would need them first ([A, D, T]: a strided copy).
-    # [D, 1, T], laid out as out [T, D]: no reshape, since a node pointed at the caller's buffer must be the one
-    # that computes.
-    return ggml.ggml_out_prod(ctx, experts, mix_t)
-
-
-def _as_f32(x: torch.Tensor) -> torch.Tensor:
-    """x as a contiguous float32 CPU tensor (no copy when it already is one)."""
-    # `is`/`is_cpu` rather than `==`/`device.type`: these run per call and the latter cost ~1 us.
-    if x.dtype is not torch.float32 or not x.is_cpu or not x.is_contiguous():
-        x = x.to(device="cpu", dtype=torch.float32).contiguous()
-    return x
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:

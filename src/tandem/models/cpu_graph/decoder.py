@@ -46,7 +46,7 @@ from tandem.models.cpu_graph.step import (
     layer_windows,
 )
 from tandem.models.decoder import DecoderModel
-from tandem.quant.ggml_cpu import ExpertFFN, expert_ffn_nodes
+from tandem.quant.expert_ffn import ExpertFFN, expert_ffn_nodes
 from tandem.quant.ggml_weights import GGMLWeight
 
 __all__ = ["StepProgram", "build_step"]
