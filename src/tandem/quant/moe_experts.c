@@ -10,7 +10,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #if defined(__F16C__) || (defined(__AVX512BW__) && defined(__AVX512F__))
@@ -340,8 +339,8 @@ size_t moe_experts_scratch_bytes(int t, int a, int e, int k, int f, int d) {
            + slots * (f / QK) * sizeof(block_q8_K)     // the gated units, quantized
            + slots * (size_t)f * 2 * sizeof(float)     // gate and up outputs
            + slots * (size_t)d * sizeof(float)         // the experts' outputs
-           + (slots + (size_t)e + 1) * sizeof(int32_t)  // the slots grouped by expert
-           + 64 * 6;                                     // alignment
+           + (slots + 3 * (size_t)e + 1) * sizeof(int32_t)  // the slots grouped by expert, the experts in use
+           + 64 * 8;                                         // alignment
 }
 
 static void *take(uint8_t **p, size_t n) {
@@ -372,7 +371,8 @@ int moe_experts_swiglu(int t, int a, int e, int k, int f, int d, const void *gat
     float *y = take(&p, (size_t)slots * d * sizeof(float));
     int32_t *order = take(&p, (size_t)slots * sizeof(int32_t));  // slot numbers, grouped by expert
     int32_t *start = take(&p, (size_t)(e + 1) * sizeof(int32_t));  // expert i's slots: order[start[i]:start[i+1]]
-    (void)p;
+    int32_t *fill = take(&p, (size_t)e * sizeof(int32_t));
+    int32_t *active = take(&p, (size_t)e * sizeof(int32_t));  // the experts with slots, in order
 
     for (int i = 0; i <= e; i++) start[i] = 0;
     for (int s = 0; s < slots; s++) {
@@ -380,20 +380,12 @@ int moe_experts_swiglu(int t, int a, int e, int k, int f, int d, const void *gat
         start[ids[s] + 1]++;
     }
     for (int i = 0; i < e; i++) start[i + 1] += start[i];
-    {
-        int32_t *fill = (int32_t *)malloc(sizeof(int32_t) * (size_t)e);
-        if (!fill) return -1;
-        memcpy(fill, start, sizeof(int32_t) * (size_t)e);
-        for (int s = 0; s < slots; s++) order[fill[ids[s]]++] = s;
-        free(fill);
-    }
+    memcpy(fill, start, sizeof(int32_t) * (size_t)e);
+    for (int s = 0; s < slots; s++) order[fill[ids[s]]++] = s;
     // work items: (expert, block of rows); listed by expert so that consecutive items share a stack's pages
     int n_active = 0;
-    for (int i = 0; i < e; i++) n_active += start[i + 1] > start[i];
-    int32_t *active = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n_active ? n_active : 1));
-    if (!active) return -1;
-    for (int i = 0, j = 0; i < e; i++) {
-        if (start[i + 1] > start[i]) active[j++] = i;
+    for (int i = 0; i < e; i++) {
+        if (start[i + 1] > start[i]) active[n_active++] = i;
     }
     const size_t gate_stack = (size_t)(fused ? 2 * f : f) * row_bytes(gate_type, k);
     const size_t up_stack = (size_t)f * row_bytes(up_type, k);
@@ -459,6 +451,5 @@ int moe_experts_swiglu(int t, int a, int e, int k, int f, int d, const void *gat
             }
         }
     }
-    free(active);
     return 0;
 }
