@@ -291,6 +291,7 @@ def test_recurrent_checkpoint_before_the_last_prompt_token(tiny_qwen35moe_gguf: 
         list(engine.generate(seq))
         cache = engine.pool.caches[seq.slot]
         assert [at for at, _ in cache.checkpoints] == [69]
+        assert all(t.device.type == "cpu" for s in cache.checkpoints[0][1] for t in (s.conv, s.ssm))
         turn2 = prompt + _prompt(5, 7, n_vocab)
         engine.add_request(turn2, _greedy(), 1, frozenset())
         (piece,) = engine.scheduler.schedule()

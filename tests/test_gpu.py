@@ -193,6 +193,9 @@ def _chat_logits(path: Path, graphs: bool, flags: dict, chunks: bool = False) ->
                 problems.append(f"turn {turn}: recurrent lengths {[s.length for s in recurrent]} != {cache.length}")
             if [(s.conv.data_ptr(), s.ssm.data_ptr()) for s in recurrent] != pointers:
                 problems.append(f"turn {turn}: a recurrent state tensor was reallocated (the graph writes the old one)")
+            held = {t.device.type for _, snaps in cache.checkpoints for s in snaps for t in (s.conv, s.ssm)}
+            if recurrent and held != {"cpu"}:  # in VRAM they would be outside the plan
+                problems.append(f"turn {turn}: recurrent checkpoints on {sorted(held)}, not in host memory")
         if chunks and not engine.runner.captured_chunks():
             problems.append("no prompt chunk was captured")
     return torch.stack(logits), problems

@@ -91,13 +91,20 @@ def test_causal_conv1d_streams() -> None:
     torch.testing.assert_close(ref, manual, atol=1e-6, rtol=0)
 
 
-def test_state_snapshot_restore() -> None:
-    s = DeltaNetState(conv=torch.ones(3, 4), ssm=torch.ones(2, 4, 4), length=7)
-    snap = s.snapshot()
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_state_snapshot_restore(device: str | None) -> None:
+    """A snapshot is a copy (also where it is already on `device`: checkpoints are taken to the host), restored
+    in place; the CPU layout of the recurrent state (ggml's, a transposed view) survives the round trip."""
+    ssm = torch.arange(32.0).reshape(2, 4, 4).transpose(1, 2)
+    s = DeltaNetState(conv=torch.ones(3, 4), ssm=ssm, length=7)
+    snap = s.snapshot(device)
+    assert snap.ssm.stride() == ssm.stride() and snap.ssm.data_ptr() != ssm.data_ptr()
     s.conv.zero_()
+    s.ssm.zero_()
     s.length = 9
     s.restore(snap)
-    assert s.length == 7 and bool((s.conv == 1).all())
+    assert s.length == 7 and bool((s.conv == 1).all()) and s.ssm is ssm
+    assert torch.equal(ssm, torch.arange(32.0).reshape(2, 4, 4).transpose(1, 2))
     s.restore(None)
     assert s.length == 0 and not s.ssm.any()
 

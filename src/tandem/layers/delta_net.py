@@ -82,9 +82,10 @@ class DeltaNetState:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
-    def snapshot(self) -> DeltaNetState:
-        """A copy of the state as it is now."""
-        return DeltaNetState(self.conv.clone(), self.ssm.clone(), self.length)
+    def snapshot(self, device: torch.device | str | None = None) -> DeltaNetState:
+        """A copy of the state as it is now, on `device` (None: where the state is), in the state's layout."""
+        device = self.conv.device if device is None else device
+        return DeltaNetState(self.conv.to(device, copy=True), self.ssm.to(device, copy=True), self.length)
 
     def restore(self, snapshot: DeltaNetState | None) -> None:
         """Go back to `snapshot` (None: the empty sequence), in place: the tensors stay the ones a

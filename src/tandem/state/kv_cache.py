@@ -189,7 +189,9 @@ class RecurrentState(Protocol):
 
     def nbytes(self) -> int: ...
 
-    def snapshot(self) -> Any: ...
+    def snapshot(self, device: torch.device | str | None = None) -> Any:
+        """A copy of the state as it is now, on `device` (None: where the state is)."""
+        ...
 
     def restore(self, snapshot: Any | None) -> None:
         """Return to `snapshot` (None: the empty sequence)."""
@@ -197,6 +199,10 @@ class RecurrentState(Protocol):
 
 
 MAX_CHECKPOINTS = 4  # recurrent-state snapshots kept per sequence (each is a few MiB per layer)
+# Where checkpoints live: host memory, as llama-server keeps its context checkpoints. In VRAM they were outside the
+# plan, one per slot at least (16 slots of Qwen3.6-35B-A3B: ~1 GiB); a checkpoint is taken once per prompt and
+# restored only when a new prompt diverges after it, so the copies over PCIe cost little.
+CHECKPOINT_DEVICE = "cpu"
 
 
 @dataclass
@@ -246,7 +252,7 @@ class KVCache:
         recurrent = self._recurrent()
         if not recurrent or any(pos == self.length for pos, _ in self.checkpoints):
             return
-        self.checkpoints.append((self.length, [layer.snapshot() for layer in recurrent]))
+        self.checkpoints.append((self.length, [layer.snapshot(CHECKPOINT_DEVICE) for layer in recurrent]))
         del self.checkpoints[:-MAX_CHECKPOINTS]
 
     def check_room(self, n_new: int) -> None:
