@@ -73,7 +73,9 @@
 #     an AMX CPU, as llama.cpp's build holds them), `fa` sets TANDEM_CPU_FLASH_ATTN=1 (flash attention, the CPU
 #     graphs' default with an f16 cache, forced), `nofa` =0 (llama.cpp's -fa off graph),
 #     `tree-NAME` imports tandem from ab/NAME/src: another
-#     branch's src/ copied there, untracked, which the device call carries with the working tree)
+#     branch's src/ copied there, untracked, which the device call carries with the working tree; `patch-NAME`
+#     imports it from a copy of src/ with ab/NAME.patch applied (`git diff -- src > ab/NAME.patch`): a
+#     few KiB to carry where a tree's 1.3 MB would not fit beside the llama.cpp archive and the wheels)
 #   FIDELITY=1 (after the build, before the benches: scripts/fidelity.py, tandem's GPU settings and llama.cpp's CUDA
 #     defaults against transformers on the tiny models, --record: tests/fixtures/fidelity_llamacpp_cuda.json comes
 #     back in $OUT; FIDELITY_SETTINGS picks tandem's settings). MODELS=" " runs no bench.
@@ -518,6 +520,13 @@ for k in "${!targets[@]}"; do
     flags=(-t "$THREADS") path="$PYTHONPATH"
     [[ $variant == *ggml15* ]] && path="$SITE_GGML15:$PYTHONPATH"
     [[ $variant =~ tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[1]}/src:$path"
+    if [[ $variant =~ patch-([A-Za-z0-9_.-]+) ]]; then
+      tree="/tmp/ab_patched_${BASH_REMATCH[1]}"
+      rm -rf "$tree" && mkdir -p "$tree" && cp -r "$repo/src" "$tree/" &&
+        patch -d "$tree" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/${BASH_REMATCH[1]}.patch" ||
+        { say "AB $name $variant: ab/${BASH_REMATCH[1]}.patch does not apply to src/"; status=1; continue; }
+      path="$tree/src:$path"
+    fi
     [[ $variant == *repack* ]] && flags+=(--repack-experts)
     [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
     [[ $variant =~ pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
