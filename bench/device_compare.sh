@@ -518,20 +518,21 @@ for k in "${!targets[@]}"; do
     left=$ab_share  # a prewarmed row: ~25 s (load 2-3 s, warm-up 2-3 s, 3 reps of pp512 + tg128)
     if (( left < 25 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
     flags=(-t "$THREADS") path="$PYTHONPATH"
-    [[ $variant == *ggml15* ]] && path="$SITE_GGML15:$PYTHONPATH"
-    [[ $variant =~ tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[1]}/src:$path"
-    if [[ $variant =~ patch-([A-Za-z0-9_.-]+) ]]; then
-      tree="/tmp/ab_patched_${BASH_REMATCH[1]}"
+    # each word of a variant (words joined by +) on its own: a tree or patch NAME may hold "t1" or "fa"
+    [[ $variant =~ (^|[+])ggml15($|[+]) ]] && path="$SITE_GGML15:$PYTHONPATH"
+    [[ $variant =~ (^|[+])tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[2]}/src:$path"
+    if [[ $variant =~ (^|[+])patch-([A-Za-z0-9_.-]+) ]]; then
+      patch_name=${BASH_REMATCH[2]} tree="/tmp/ab_patched_${BASH_REMATCH[2]}"
       rm -rf "$tree" && mkdir -p "$tree" && cp -r "$repo/src" "$tree/" &&
-        patch -d "$tree" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/${BASH_REMATCH[1]}.patch" ||
-        { say "AB $name $variant: ab/${BASH_REMATCH[1]}.patch does not apply to src/"; status=1; continue; }
+        patch -d "$tree" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/$patch_name.patch" ||
+        { say "AB $name $variant: ab/$patch_name.patch does not apply to src/"; status=1; continue; }
       path="$tree/src:$path"
     fi
-    [[ $variant == *repack* ]] && flags+=(--repack-experts)
-    [[ $variant =~ t([0-9]+) ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
-    [[ $variant =~ pcie([0-9]+) ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
+    [[ $variant =~ (^|[+])repack($|[+]) ]] && flags+=(--repack-experts)
+    [[ $variant =~ (^|[+])t([0-9]+)($|[+]) ]] && flags=(-t "${BASH_REMATCH[2]}" "${flags[@]:2}")
+    [[ $variant =~ (^|[+])pcie([0-9]+)($|[+]) ]] && flags+=(--pcie-experts "${BASH_REMATCH[2]}")
     envs=("${hide_gpu[@]}")
-    [[ $variant == *noamx* ]] && envs+=(TANDEM_AMX=0)
+    [[ $variant =~ (^|[+])noamx($|[+]) ]] && envs+=(TANDEM_AMX=0)
     [[ $variant =~ (^|[+])fa($|[+]) ]] && envs+=(TANDEM_CPU_FLASH_ATTN=1)
     [[ $variant =~ (^|[+])nofa($|[+]) ]] && envs+=(TANDEM_CPU_FLASH_ATTN=0)
     ab_matrix=${AB_MATRIX:-cpu-moe}
