@@ -319,13 +319,13 @@ static void rows_dot(int type, const uint8_t *mat, int k, int r0, int r1, const 
     by_count[n - 1](type, mat, row_bytes(type, k), k, r0, r1, x, out);
 }
 
-int moe_experts_supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+static int moe_experts_supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
 
 int moe_experts_simd(void) { return MOE_AVX512; }
 
 // Rows of one product per work item: as many as leave each thread ~8 items (dynamic scheduling evens out experts of
-// different token counts), at most 256 (a long contiguous read per item; smaller items cost their dispatch and
-// shorter streams: 1.3-1.7x slower at 32 rows on the dev machine), at least 32.
+// different token counts), at most 256 (a long contiguous read per item: smaller items cost their dispatch and
+// shorter streams), at least 32.
 static int rows_per_item(size_t total_rows, int n_threads) {
     size_t r = total_rows / (8 * (size_t)(n_threads > 0 ? n_threads : 1));
     r = (r + 31) / 32 * 32;

@@ -41,10 +41,10 @@ SOURCE = Path(__file__).with_name("moe_experts.c")
 ENV = "TANDEM_MOE_KERNEL"  # "auto" (default): where it takes an FFN; "ggml" ("off", "0"): never
 TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
 # Up to this many tokens an expert on average (a step's slots over the experts); past it ggml's tiled kernel comes
-# close (dev machine, Qwen3-30B-A3B's shapes: 1.27-1.59x faster than ggml at 8 an expert, 0.95-1.32x at 16).
+# close (docs/PERFORMANCE.md, sessions 37-38).
 MAX_TOKENS_PER_EXPERT = 8
-# One token (a single sequence's decode) stays with ggml until the GPU machine's host has measured the kernel there:
-# the single-stream --cpu-moe figures are ggml's (dev machine: the kernel 1.03-1.32x ggml at one token).
+# One token (a single sequence's decode) stays with ggml: per layer the kernel is about as fast there, and the
+# single-stream --cpu-moe figures against llama.cpp are ggml's until a decode A/B says otherwise.
 MIN_TOKENS = 2
 
 
