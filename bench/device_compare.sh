@@ -85,8 +85,10 @@
 #     sharing the rest: bench/batched_compare.py, tandem's engine with N sequences at once
 #     against llama-batched-bench, per placement of BATCHED_PLACEMENTS="cpu-moe all", pp BATCHED_PP=128, tg
 #     BATCHED_TG=64, tandem's repetitions BATCHED_REPS=3, each engine bounded by 2/3 of the placement's time; the tables in the log; a placement NAME+pcieK gives tandem --pcie-experts K as well (NAME+repack: --repack-experts), which
-#     llama.cpp has no form of; a final +ggml runs tandem with TANDEM_MOE_KERNEL=ggml: its CPU experts all by ggml's
-#     graph, not tandem's kernel, e.g. BATCHED_PLACEMENTS="cpu-moe cpu-moe+ggml"). MATRIX=none skips the matrix.
+#     llama.cpp has no form of; +ggml runs tandem with TANDEM_MOE_KERNEL=ggml: its CPU experts all by ggml's
+#     graph, not tandem's kernel, e.g. BATCHED_PLACEMENTS="cpu-moe cpu-moe+ggml"; +patch-NAME runs tandem from src/
+#     with ab/NAME.patch applied, as AB's patch-NAME: e.g. "all all+patch-before", the same work before a change,
+#     same call). MATRIX=none skips the matrix.
 #   MOE_KERNEL=1 (per model, before its benches: bench/moe_kernel.py, one layer's CPU experts by ggml's graph and by
 #     tandem's kernel at 1-256 tokens, THREADS threads, layers MOE_KERNEL_LAYERS=0,1,2)
 #   HTTP="1,4,16" (after BATCHED: bench/http_bench.py, `tandem serve` against llama-server over HTTP, N concurrent
@@ -287,13 +289,25 @@ fi
 
 # A BATCHED or HTTP placement's flags: pflags for both engines (cpu-moe, n-cpu-moe=N), tflags for tandem alone
 # (NAME+pcieK: --pcie-experts K; NAME+repack: --repack-experts), which llama.cpp has no form of.
-placement_flags() {  # NAME[+pcieK|+repack][+ggml]: pflags (both engines), tflags (tandem's), penv (tandem's run)
+# tandem from a copy of src/ with ab/NAME.patch applied (`git diff -- src > ab/NAME.patch`): its path in $patched
+patch_tree() {
+  patched="/tmp/ab_patched_$1"
+  rm -rf "$patched" && mkdir -p "$patched" && cp -r "$repo/src" "$patched/" &&
+    patch -d "$patched" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/$1.patch" && patched="$patched/src"
+}
+
+placement_flags() {  # NAME[+pcieK|+repack][+ggml][+patch-P]: pflags (both engines), tflags (tandem's), penv (its run)
   pflags=() tflags="" penv=(env)
+  local words="+${1#*+}+"  # the words after the placement's name, each between + signs
   [[ $1 == cpu-moe* ]] && pflags=(--cpu-moe)
   [[ $1 =~ ^n-cpu-moe=([0-9]+) ]] && pflags=(--n-cpu-moe "${BASH_REMATCH[1]}")
-  [[ $1 =~ \+pcie([0-9]+)(\+ggml)?$ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
-  [[ $1 == *+repack || $1 == *+repack+ggml ]] && tflags="--repack-experts"
-  [[ $1 == *+ggml ]] && penv+=(TANDEM_MOE_KERNEL=ggml)
+  [[ $words =~ \+pcie([0-9]+)\+ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
+  [[ $words == *+repack+* ]] && tflags="--repack-experts"
+  [[ $words == *+ggml+* ]] && penv+=(TANDEM_MOE_KERNEL=ggml)
+  if [[ $words =~ \+patch-([A-Za-z0-9_.-]+)\+ ]]; then  # tandem from src/ with ab/NAME.patch applied
+    patch_tree "${BASH_REMATCH[1]}" || { say "ab/${BASH_REMATCH[1]}.patch does not apply to src/"; return 1; }
+    penv+=(PYTHONPATH="$patched:$PYTHONPATH")
+  fi
   return 0
 }
 
@@ -334,7 +348,7 @@ fi
 
 if [[ "${EXPERT_KERNELS:-0}" == 1 && "$DEVICE" != cpu ]]; then  # a few seconds: qmv against grouped per batch size
   say "selected-expert kernels at decode batch sizes (bench/expert_kernels.py)"
-  "$PY" bench/expert_kernels.py ${EXPERT_KERNELS_FLAGS:-} 2>&1 | grep -vE "Warning|warn\(" | tail -40
+  "$PY" bench/expert_kernels.py ${EXPERT_KERNELS_FLAGS:-} 2>&1 | grep -vE "Warning|warn\(" | tail -300
 fi
 
 if [[ -n "${PROFILE_BATCHED:-}" && "$DEVICE" != cpu && ${#early[@]} -gt 0 ]]; then  # while the build runs
@@ -470,7 +484,7 @@ for k in "${!targets[@]}"; do
   if [[ -n "${BATCHED:-}" ]]; then
     placements=(${BATCHED_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
-      placement_flags "$placement"
+      placement_flags "$placement" || { status=1; continue; }
       flags=("${pflags[@]}")
       part=$(( batched_share / ${#placements[@]} ))
       say "batched $name $placement: npl $BATCHED, $part s"
@@ -495,7 +509,7 @@ for k in "${!targets[@]}"; do
     [[ "$DEVICE" == cpu ]] && ngl=0
     placements=(${HTTP_PLACEMENTS:-cpu-moe all})
     for placement in "${placements[@]}"; do
-      placement_flags "$placement"
+      placement_flags "$placement" || { status=1; continue; }
       flags=(-t "$THREADS" "${pflags[@]}")
       tflags="$tflags ${HTTP_TANDEM_FLAGS:-}"  # e.g. "-b 2048 -ub 512", llama-server's own defaults
       tflags="${tflags## }" tflags="${tflags%% }"
@@ -522,11 +536,9 @@ for k in "${!targets[@]}"; do
     [[ $variant =~ (^|[+])ggml15($|[+]) ]] && path="$SITE_GGML15:$PYTHONPATH"
     [[ $variant =~ (^|[+])tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[2]}/src:$path"
     if [[ $variant =~ (^|[+])patch-([A-Za-z0-9_.-]+) ]]; then
-      patch_name=${BASH_REMATCH[2]} tree="/tmp/ab_patched_${BASH_REMATCH[2]}"
-      rm -rf "$tree" && mkdir -p "$tree" && cp -r "$repo/src" "$tree/" &&
-        patch -d "$tree" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/$patch_name.patch" ||
-        { say "AB $name $variant: ab/$patch_name.patch does not apply to src/"; status=1; continue; }
-      path="$tree/src:$path"
+      patch_tree "${BASH_REMATCH[2]}" ||
+        { say "AB $name $variant: ab/${BASH_REMATCH[2]}.patch does not apply to src/"; status=1; continue; }
+      path="$patched:$path"
     fi
     [[ $variant =~ (^|[+])repack($|[+]) ]] && flags+=(--repack-experts)
     [[ $variant =~ (^|[+])t([0-9]+)($|[+]) ]] && flags=(-t "${BASH_REMATCH[2]}" "${flags[@]:2}")
