@@ -293,19 +293,20 @@ fi
 patch_tree() {
   patched="/tmp/ab_patched_$1"
   rm -rf "$patched" && mkdir -p "$patched" && cp -r "$repo/src" "$patched/" &&
-    patch -d "$patched" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/$1.patch" && patched="$patched/src"
+    patch -d "$patched" -p1 -s -t --no-backup-if-mismatch <"$repo/ab/$1.patch" && patched="$patched/src" ||
+    { say "ab/$1.patch does not apply to src/"; return 1; }
 }
 
 placement_flags() {  # NAME[+pcieK|+repack][+ggml][+patch-P]: pflags (both engines), tflags (tandem's), penv (its run)
   pflags=() tflags="" penv=(env)
-  local words="+${1#*+}+"  # the words after the placement's name, each between + signs
+  local words="+${1#*+}+"  # the words after the placement's name, each between + signs (as AB's variants)
   [[ $1 == cpu-moe* ]] && pflags=(--cpu-moe)
   [[ $1 =~ ^n-cpu-moe=([0-9]+) ]] && pflags=(--n-cpu-moe "${BASH_REMATCH[1]}")
   [[ $words =~ \+pcie([0-9]+)\+ ]] && tflags="--pcie-experts ${BASH_REMATCH[1]}"
   [[ $words == *+repack+* ]] && tflags="--repack-experts"
   [[ $words == *+ggml+* ]] && penv+=(TANDEM_MOE_KERNEL=ggml)
   if [[ $words =~ \+patch-([A-Za-z0-9_.-]+)\+ ]]; then  # tandem from src/ with ab/NAME.patch applied
-    patch_tree "${BASH_REMATCH[1]}" || { say "ab/${BASH_REMATCH[1]}.patch does not apply to src/"; return 1; }
+    patch_tree "${BASH_REMATCH[1]}" || return 1
     penv+=(PYTHONPATH="$patched:$PYTHONPATH")
   fi
   return 0
@@ -533,20 +534,20 @@ for k in "${!targets[@]}"; do
     if (( left < 25 )); then say "AB $name $variant: no time left ($left s)"; continue; fi
     flags=(-t "$THREADS") path="$PYTHONPATH"
     # each word of a variant (words joined by +) on its own: a tree or patch NAME may hold "t1" or "fa"
-    [[ $variant =~ (^|[+])ggml15($|[+]) ]] && path="$SITE_GGML15:$PYTHONPATH"
-    [[ $variant =~ (^|[+])tree-([A-Za-z0-9_.-]+) ]] && path="$repo/ab/${BASH_REMATCH[2]}/src:$path"
-    if [[ $variant =~ (^|[+])patch-([A-Za-z0-9_.-]+) ]]; then
-      patch_tree "${BASH_REMATCH[2]}" ||
-        { say "AB $name $variant: ab/${BASH_REMATCH[2]}.patch does not apply to src/"; status=1; continue; }
+    words="+$variant+"
+    [[ $words == *+ggml15+* ]] && path="$SITE_GGML15:$PYTHONPATH"
+    [[ $words =~ \+tree-([A-Za-z0-9_.-]+)\+ ]] && path="$repo/ab/${BASH_REMATCH[1]}/src:$path"
+    if [[ $words =~ \+patch-([A-Za-z0-9_.-]+)\+ ]]; then
+      patch_tree "${BASH_REMATCH[1]}" || { status=1; continue; }
       path="$patched:$path"
     fi
-    [[ $variant =~ (^|[+])repack($|[+]) ]] && flags+=(--repack-experts)
-    [[ $variant =~ (^|[+])t([0-9]+)($|[+]) ]] && flags=(-t "${BASH_REMATCH[2]}" "${flags[@]:2}")
-    [[ $variant =~ (^|[+])pcie([0-9]+)($|[+]) ]] && flags+=(--pcie-experts "${BASH_REMATCH[2]}")
+    [[ $words == *+repack+* ]] && flags+=(--repack-experts)
+    [[ $words =~ \+t([0-9]+)\+ ]] && flags=(-t "${BASH_REMATCH[1]}" "${flags[@]:2}")
+    [[ $words =~ \+pcie([0-9]+)\+ ]] && flags+=(--pcie-experts "${BASH_REMATCH[1]}")
     envs=("${hide_gpu[@]}")
-    [[ $variant =~ (^|[+])noamx($|[+]) ]] && envs+=(TANDEM_AMX=0)
-    [[ $variant =~ (^|[+])fa($|[+]) ]] && envs+=(TANDEM_CPU_FLASH_ATTN=1)
-    [[ $variant =~ (^|[+])nofa($|[+]) ]] && envs+=(TANDEM_CPU_FLASH_ATTN=0)
+    [[ $words == *+noamx+* ]] && envs+=(TANDEM_AMX=0)
+    [[ $words == *+fa+* ]] && envs+=(TANDEM_CPU_FLASH_ATTN=1)
+    [[ $words == *+nofa+* ]] && envs+=(TANDEM_CPU_FLASH_ATTN=0)
     ab_matrix=${AB_MATRIX:-cpu-moe}
     [[ "$DEVICE" == cpu ]] && ab_matrix=all
     say "AB $name $variant: tandem ${flags[*]} (ggml: $(PYTHONPATH=$path "$PY" -c 'import ggml, os; print(os.path.dirname(ggml.__file__))'), tandem: $(PYTHONPATH=$path "$PY" -c 'import tandem, os; print(os.path.dirname(tandem.__file__))'))"
