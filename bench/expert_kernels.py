@@ -2,6 +2,7 @@
 (tiles of one expert's slots), the choice `qmatmul_id` makes by QMV_SLOTS_PER_EXPERT (run on the device).
 
     python bench/expert_kernels.py [--tokens 4,8,16,32,64,128] [--shapes qwen3-30b|qwen3.6] [--active 8] [--sweep]
+        [--dense]
 
 Shapes of a model's experts (qwen3-30b: 128 experts, gate/up 768 x 2048 Q4_K, down 2048 x 768 Q4_K and Q6_K;
 qwen3.6: 256 experts of 512 x 2048 and 2048 x 512), uniform random routing; the blocks are random bytes (the time
@@ -11,12 +12,16 @@ does not depend on their values). Prints microseconds per product for each kerne
 candidates, and more rows a program over fewer superblocks a step, for a short K such as Qwen3.6's down: K = 512 is
 two superblocks a row), each checked against the autotuned result, with the rate at which it reads the distinct
 experts' blocks; the autotuner's pick is marked.
+
+--dense: first, a dense product that fits in L2 and the output head at each row count: `_qmv` against bounded
+dequantized slices into cuBLAS, and the one `qmatmul` takes.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 
 import torch
 import triton
@@ -31,12 +36,14 @@ SHAPES = {
     "qwen3-30b": (128, [("gate/up", 768, 2048, Q.Q4_K), ("down", 2048, 768, Q.Q4_K), ("down", 2048, 768, Q.Q6_K)]),
     "qwen3.6": (256, [("gate/up", 512, 2048, Q.Q4_K), ("down", 2048, 512, Q.Q4_K), ("down", 2048, 512, Q.Q6_K)]),
 }
-# (BN rows a program, SB superblocks a step, warps): the autotuner's candidates and, for a short K, more rows over
-# two superblocks; `_qmv`'s layout takes those whose values per thread (BN * SB * 8 / warps) suit the type.
-SWEEP = sorted(
-    {(c.kwargs["BN"], c.kwargs["SB"], c.num_warps) for c in qkernels._QMV_CONFIGS}
-    | {(bn, 2, w) for bn in (2, 4, 8, 16) for w in (1, 2, 4)}
-)
+# model -> dense products of a decode step (--dense): one that fits in L2 and the output head, which does not
+DENSE = {
+    "qwen3-30b": [("q", 4096, 2048, Q.Q4_K), ("output", 151936, 2048, Q.Q6_K)],
+    "qwen3.6": [("q", 4096, 2048, Q.Q4_K), ("output", 248320, 2048, Q.Q6_K)],
+}
+# (BN rows a program, SB superblocks a step, warps): the autotuner's candidates and a few more rows over two
+# superblocks; `_qmv`'s layout takes those whose values per thread (BN * SB * 8 / warps) suit the type.
+SWEEP = sorted(set(qkernels.QMV_SHAPES) | {(bn, 2, w) for bn in (2, 4, 8, 16) for w in (1, 2, 4)})
 
 
 def _time_us(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
@@ -58,10 +65,11 @@ def sweep(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor, label: str) -> 
     flat = ids.reshape(-1).contiguous()
     r, x_div = flat.numel(), ids.shape[1]
     y = torch.empty(r, n, dtype=x.dtype, device=x.device)
-    args = (w.data, x, y, flat, n, k, w.row_bytes, w.expert_bytes, x_div, x.stride(0), y.stride(0))
+    tier = qlinear.qmv_rows_tier(r)
+    args = (w.data, x, y, flat, n, k, w.row_bytes, w.expert_bytes, x_div, x.stride(0), y.stride(0), tier)
     ref = qmatmul_id(x, w, ids).reshape(r, n)  # the autotuned launch (qmatmul_id takes `_qmv` at these sizes)
     scale = ref.float().abs().max().item()  # outputs are rounded to x's type: differences relative to the largest
-    best = next((c for key, c in qkernels._qmv.cache.items() if key[:3] == (n, k, qt)), None)
+    best = next((c for key, c in qkernels._qmv.cache.items() if key[:5] == (n, k, qt, True, tier)), None)
     distinct = torch.unique(flat).numel() * w.expert_bytes
     allowed = qkernels._QMV_VALUES[w.qtype]
     for bn, sb, warps in SWEEP:
@@ -81,6 +89,33 @@ def sweep(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor, label: str) -> 
         )
 
 
+def dense(shapes: list[tuple[str, int, int, Q]], tokens: list[int], dev: torch.device) -> None:
+    """Dense products at decode row counts: `_qmv` against bounded dequantized slices into cuBLAS, and which
+    one `qmatmul` takes (QMV_MAX_ROWS_PAST_L2 for a weight past L2)."""
+    print(f"{'shape':>8} {'N x K':>14} {'type':>5} {'rows':>4} {'qmv us':>8} {'cuBLAS us':>9}  picked")
+    rule = qlinear.QMV_MAX_ROWS_PAST_L2
+    for name, n, k, qtype in shapes:
+        w = _random_weight(qtype, (n, k), dev)
+        for t in tokens:
+            x = torch.randn(t, k, device=dev, dtype=torch.float32)
+            times = {}
+            for kernel, past_l2_rows in (("qmv", qlinear.QMV_MAX_ROWS), ("cublas", 0)):
+                qlinear.QMV_MAX_ROWS_PAST_L2 = past_l2_rows
+                times[kernel] = _time_us(functools.partial(qlinear.qmatmul, x, w)) if t > 1 or kernel == "qmv" else None
+            qlinear.QMV_MAX_ROWS_PAST_L2 = rule
+            picked = "cublas" if t > qlinear.QMV_MAX_ROWS or (t > rule and qlinear._past_l2(w)) else "qmv"
+            cublas = f"{times['cublas']:9.1f}" if times["cublas"] is not None else f"{'-':>9}"
+            print(f"{name:>8} {f'{n}x{k}':>14} {qtype.name:>5} {t:4d} {times['qmv']:8.1f} {cublas}  {picked}")
+
+
+def _random_weight(qtype: Q, shape: tuple[int, ...], dev: torch.device) -> GPUQuantWeight:
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = torch.randint(0, 256, (math.prod(shape) // block * size,), dtype=torch.uint8, device=dev)
+    # Finite scales: every byte pair read as f16 below 2 (the codes' bytes too, which only changes values).
+    data &= 0x3B
+    return GPUQuantWeight(data, qtype, shape)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="1,4,8,16,32", help="tokens per step, at most 32 (a decode step)")
@@ -88,19 +123,18 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=None, help="default: the model's")
     p.add_argument("--active", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="_qmv alone at each launch configuration")
+    p.add_argument("--dense", action="store_true", help="also the dense products (output head) by either kernel")
     args = p.parse_args()
     dev = torch.device("cuda")
+    if args.dense:
+        dense(DENSE[args.shapes], [int(x) for x in args.tokens.split(",")], dev)
     chosen = qlinear.QMV_SLOTS_PER_EXPERT
     n_experts, shapes = SHAPES[args.shapes]
     n_experts = args.experts or n_experts
     if not args.sweep:
         print(f"{'shape':>8} {'type':>5} {'tokens':>6} {'slots':>5} {'qmv us':>8} {'grouped us':>10}  picked")
     for name, n, k, qtype in shapes:
-        block, size = GGML_QUANT_SIZES[qtype]
-        data = torch.randint(0, 256, (n_experts * n * k // block * size,), dtype=torch.uint8, device=dev)
-        # Finite scales: every byte pair read as f16 below 2 (the codes' bytes too, which only changes values).
-        data &= 0x3B
-        w = GPUQuantWeight(data, qtype, (n_experts, n, k))
+        w = _random_weight(qtype, (n_experts, n, k), dev)
         for t in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             ids = torch.stack([torch.randperm(n_experts, device=dev)[: args.active] for _ in range(t)]).int()

@@ -49,6 +49,51 @@ def test_plain_products(qtype: gguf.GGMLQuantizationType, monkeypatch: pytest.Mo
     assert _rel(qmatmul(x, w, ieee=True), x.double() @ ref_w.T) < REL_TOL
 
 
+def test_weight_past_l2_is_dequantized_past_a_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight larger than the GPU's L2 (an output head) goes to dequantized slices and cuBLAS from
+    QMV_MAX_ROWS_PAST_L2 + 1 rows (re-read from VRAM per row, `_qmv` costs more there); one that fits stays on
+    `_qmv` up to QMV_MAX_ROWS. Either way the product is the same."""
+    import tandem.cuda.qlinear as qlinear
+
+    qtype = gguf.GGMLQuantizationType.Q6_K
+    n, k = 24, 512
+    raw = random_blocks(qtype, (n, k), np.random.default_rng(7))
+    ref_w = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
+    w = GPUQuantWeight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (n, k))
+    slices: list[int] = []
+    dequantize = qlinear.dequantize_rows_gpu
+    monkeypatch.setattr(qlinear, "dequantize_rows_gpu", lambda *a: slices.append(a[2]) or dequantize(*a))
+    monkeypatch.setattr(qlinear, "GPU_DEQUANT_CHUNK_BYTES", 10 * k * 4)  # slices of 10 rows: 10, 10 and 4
+    few, more = qlinear.QMV_MAX_ROWS_PAST_L2, qlinear.QMV_MAX_ROWS_PAST_L2 + 1
+    for past_l2, m, expected in ((True, few, []), (True, more, [10, 10, 4]), (False, qlinear.QMV_MAX_ROWS, [])):
+        monkeypatch.setattr(qlinear, "_past_l2", lambda _w, past_l2=past_l2: past_l2)
+        slices.clear()
+        x = torch.randn(m, k)
+        assert _rel(qmatmul(x, w, ieee=True), x.double() @ ref_w.T) < REL_TOL, (past_l2, m)
+        assert slices == expected, (past_l2, m)
+
+
+def test_gemv_candidates_suit_the_type_and_k() -> None:
+    """The autotuner's early prune: each candidate's values per thread suit the type's scale loads, and no step
+    takes more superblocks than K rounds up to (K = 512: two), so a short K is not tuned over idle lanes."""
+    configs = [triton.Config({"BN": bn, "SB": sb}, num_warps=w) for bn, sb, w in qk.QMV_SHAPES]
+    for qtype in TYPES:
+        for k, most in ((256, 1), (512, 2), (768, 4), (2048, 8), (4096, 16), (5120, 16)):
+            kept = qk.qmv_configs(configs, {"K": k}, QT=int(qtype))
+            assert kept, (qtype, k)
+            assert all(c.kwargs["BN"] * c.kwargs["SB"] * 8 // c.num_warps in qk._QMV_VALUES[qtype] for c in kept)
+            smallest = min(c.kwargs["SB"] for c in kept)
+            assert all(c.kwargs["SB"] <= max(most, smallest) for c in kept), (qtype, k)
+        short = {(c.kwargs["BN"], c.num_warps) for c in qk.qmv_configs(configs, {"K": 512}, QT=int(qtype))}
+        assert len(short) >= 3, qtype  # a short K still has rows-per-program and warps to choose from
+
+
+def test_gemv_rows_tiers() -> None:
+    from tandem.cuda.qlinear import qmv_rows_tier
+
+    assert [qmv_rows_tier(r) for r in (1, 8, 9, 32, 33, 128)] == [0, 0, 1, 1, 2, 2]
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_selected_experts(qtype: gguf.GGMLQuantizationType) -> None:
     rng = np.random.default_rng(100 + int(qtype))
@@ -111,7 +156,7 @@ def _qmv(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor | None, bn: int, 
     flat = torch.zeros(1, dtype=torch.int64) if ids is None else ids.reshape(-1)
     qk._qmv.fn[(triton.cdiv(n, bn), r)](
         w.data, x, y, flat, n, k, w.row_bytes, w.expert_bytes if ids is not None else 0, x_div, x.stride(0),
-        y.stride(0), QT=int(w.qtype), HAS_IDS=ids is not None, BN=bn, SB=sb,
+        y.stride(0), 0, QT=int(w.qtype), HAS_IDS=ids is not None, BN=bn, SB=sb,
     )  # fmt: skip
     return y
 

@@ -48,7 +48,7 @@ Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
 # Decode GEMV shapes: rows per program (BN), superblocks of each row per loop step (SB) and warps, tuned per
 # (N, K, type) on first use; the choice is cached on disk (Triton's cache) for later processes. Small BN keeps
 # narrow products (N = 512) on hundreds of programs; large SB puts more warps along K. A thread takes
-# BN * SB * 256 / (32 * warps) values per step; `_qmv_configs` keeps, per type, the counts for which the
+# BN * SB * 256 / (32 * warps) values per step; `qmv_configs` keeps, per type, the counts for which the
 # per-sub-block scale loads hold fewer elements than the program has threads (below that, Triton loads them
 # in the tile's own register layout; at or above it, it converts the whole tile through shared memory).
 # Under Triton's CPU interpreter (tests without a GPU) one configuration, with BN > 1 and SB > 1 to cover the
@@ -56,27 +56,31 @@ Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Candidates timed from CUDA graphs, so a busy CPU cannot pick them (cuda/autotune.py); the interpreter has one each.
 _TIMING = None if _INTERPRET else graph_bench
+# (BN, SB, warps); two superblocks a step with more rows suit a short K (Qwen3.6's down: K = 512) and many rows.
+QMV_SHAPES = (
+    *((1, 2, 1), (1, 4, 2), (1, 8, 4), (2, 4, 4), (2, 2, 2), (4, 2, 4)),  # 16 values per thread
+    *((1, 4, 1), (1, 8, 2), (1, 16, 4), (2, 8, 4), (4, 4, 4), (2, 2, 1), (4, 2, 2), (8, 2, 4)),  # 32
+    *((2, 4, 1), (4, 4, 2), (4, 2, 1), (8, 2, 2), (16, 2, 4)),  # 64
+)
 _QMV_CONFIGS = (
     [triton.Config({"BN": 4, "SB": 2}, num_warps=4)]
     if _INTERPRET
-    else [
-        triton.Config({"BN": bn, "SB": sb}, num_warps=w)
-        for bn, sb, w in (
-            *((1, 2, 1), (1, 4, 2), (1, 8, 4), (2, 4, 4)),  # 16 values per thread
-            *((1, 4, 1), (1, 8, 2), (1, 16, 4), (2, 8, 4), (4, 4, 4)),  # 32
-            *((2, 4, 1), (4, 4, 2)),  # 64
-        )
-    ]
+    else [triton.Config({"BN": bn, "SB": sb}, num_warps=w) for bn, sb, w in QMV_SHAPES]
 )
 # Values per thread each type may take (see above): Q4_K/Q5_K load one scale word per superblock, Q6_K four
 # scales, the 32-value blocks eight.
 _QMV_VALUES = {Q4_K: (32, 64), Q5_K: (32, 64), Q6_K: (16, 32), Q8_0: (16,), Q4_0: (16,), Q5_0: (16,)}
 
 
-def _qmv_configs(configs: list[triton.Config], named_args: dict[str, object], **kwargs: int) -> list[triton.Config]:
-    """The configurations of `_QMV_CONFIGS` that suit the type being multiplied (autotune's early prune)."""
+def qmv_configs(configs: list[triton.Config], named_args: dict[str, object], **kwargs: int) -> list[triton.Config]:
+    """The configurations of `_QMV_CONFIGS` that suit the type being multiplied and the length of K (autotune's
+    early prune): no more superblocks a step than K rounds up to, in powers of two (a short K, e.g. 512 = two
+    superblocks, would leave the lanes of a wider step idle)."""
     allowed = _QMV_VALUES[kwargs["QT"]]
-    return [c for c in configs if c.kwargs["BN"] * c.kwargs["SB"] * 8 // c.num_warps in allowed]
+    typed = [c for c in configs if c.kwargs["BN"] * c.kwargs["SB"] * 8 // c.num_warps in allowed]
+    superblocks = triton.next_power_of_2(triton.cdiv(int(named_args["K"]), 256))  # type: ignore[call-overload]
+    most = max(superblocks, min(c.kwargs["SB"] for c in typed))
+    return [c for c in typed if c.kwargs["SB"] <= most]
 
 
 # Grouped expert GEMM: output columns per program (BN), values per product (BK: 64 or 128, sub-blocks of
@@ -346,18 +350,20 @@ def _qmv_step(acc, rows, row_ok, kb, x_row, bcast, K, QT: tl.constexpr, D2: tl.c
 
 @triton.autotune(
     configs=_QMV_CONFIGS,
-    key=["N", "K", "QT", "HAS_IDS"],
-    prune_configs_by={"early_config_prune": _qmv_configs},
+    key=["N", "K", "QT", "HAS_IDS", "ROWS_TIER"],
+    prune_configs_by={"early_config_prune": qmv_configs},
     cache_results=not _INTERPRET,
     do_bench=_TIMING,
 )
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS_TIER"])
 def _qmv(
-    w_ptr, x_ptr, y_ptr, ids_ptr, N, K, row_bytes, expert_bytes, x_div, stride_x, stride_y,
+    w_ptr, x_ptr, y_ptr, ids_ptr, N, K, row_bytes, expert_bytes, x_div, stride_x, stride_y, ROWS_TIER,
     QT: tl.constexpr, HAS_IDS: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr,
 ):  # fmt: skip
     """y[r, n] = sum_k x[r // x_div, k] * W[e(r)][n, k]; output row r along grid axis 1 (zeros where e(r) < 0).
-    Each program covers BN rows, SB superblocks (256 values) of each per loop step."""
+    Each program covers BN rows, SB superblocks (256 values) of each per loop step. ROWS_TIER (`qmv_rows_tier`
+    of the grid's rows) is only part of the autotuning key: the best tile for one row is not the best for 128
+    (one binary serves every tier)."""
     # Tile [BN, SB, D2, D3] of 16-bit words per superblock step (see _qmv_step).
     D2: tl.constexpr = 4 if QT == 12 or QT == 13 or QT == 14 else 8
     D3: tl.constexpr = 16 if QT == 12 or QT == 13 or QT == 8 else 8

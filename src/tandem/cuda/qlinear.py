@@ -12,6 +12,7 @@ A = active experts per token, R = T * A expert slots.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from tandem.cuda import qkernels as qk
 from tandem.quant.types import GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES
 
 QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
+# ... but a weight larger than the GPU's L2 (an output head) is re-read from VRAM per row: past this many rows
+# its bounded dequantized slices into cuBLAS cost less (bench/expert_kernels.py --dense; docs/PERFORMANCE.md).
+QMV_MAX_ROWS_PAST_L2 = 4
 # Selected experts in VRAM, a decode step's tokens (at most 2 * QMV_MAX_ROWS): `_qmv` reads an expert's blocks
 # once per slot, `_grouped_qmm` once per tile of BM slots but decodes them into tensor-core tiles that are
 # mostly padding when an expert has one or two slots. Up to this many slots per expert on average the
@@ -102,7 +106,7 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
     m, k = x.shape
     assert k == w.n_in, (x.shape, w.shape)
     x = _aligned(x)
-    if m > QMV_MAX_ROWS:  # dequantize a bounded slice of rows at a time, multiply with cuBLAS
+    if m > QMV_MAX_ROWS or (m > QMV_MAX_ROWS_PAST_L2 and _past_l2(w)):  # a bounded slice at a time into cuBLAS
         dtype = torch.float32 if ieee else torch.bfloat16
         rows = max(1, GPU_DEQUANT_CHUNK_BYTES // (k * dtype.itemsize))
         xd = x.to(dtype)
@@ -116,7 +120,8 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
     qk._qmv[grid](
-        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), QT=int(w.qtype), HAS_IDS=False
+        w.data, x, y, x, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0), qmv_rows_tier(m),
+        QT=int(w.qtype), HAS_IDS=False,
     )  # fmt: skip
     return y
 
@@ -143,7 +148,7 @@ def qmatmul_id(
         grid = lambda meta: (triton.cdiv(n, meta["BN"]), r)  # noqa: E731
         qk._qmv[grid](
             w.data, x2, y, flat, n, k, w.row_bytes, w.expert_bytes, x_div, x2.stride(0), y.stride(0),
-            QT=int(w.qtype), HAS_IDS=True,
+            qmv_rows_tier(r), QT=int(w.qtype), HAS_IDS=True,
         )  # fmt: skip
         return y.view(t, a, n)
     if not ieee and x2.dtype == torch.float32:  # bf16 operands anyway; every output tile re-reads x: half the bytes
@@ -203,6 +208,22 @@ def ggml_rounded_input(x: torch.Tensor, qtype: Q) -> torch.Tensor:
         inv = torch.where(amax == 0, 0.0, 127.0 / amax)
         rounded = torch.round(blocks * inv) * (amax / 127.0).half().float()
     return rounded.view(x.shape).to(x.dtype)
+
+
+def qmv_rows_tier(rows: int) -> int:
+    """`_qmv`'s autotuning tier for a launch of `rows` output rows: one token's experts or a few rows (0), a
+    few tokens (1), a batch (2). Each tier is tuned on its first use."""
+    return 0 if rows <= 8 else 1 if rows <= 32 else 2
+
+
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def _past_l2(w: GPUQuantWeight) -> bool:
+    """Whether w's blocks are larger than the L2 cache of the GPU holding them (never under the interpreter)."""
+    return w.data.is_cuda and w.n_out * w.row_bytes > _l2_bytes(w.data.device)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
