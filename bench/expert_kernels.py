@@ -13,8 +13,8 @@ candidates, and more rows a program over fewer superblocks a step, for a short K
 two superblocks a row), each checked against the autotuned result, with the rate at which it reads the distinct
 experts' blocks; the autotuner's pick is marked.
 
---dense: first, a dense product that fits in L2 and the output head at each row count: `_qmv` against bounded
-dequantized slices into cuBLAS, and the one `qmatmul` takes.
+--dense: first, a dense product that fits in L2 and the output head at each row count by each of `qmatmul`'s
+kernels (`_qmv`, one tile of `_grouped_qmm`, bounded dequantized slices into cuBLAS), and the one it takes.
 """
 
 from __future__ import annotations
@@ -90,22 +90,22 @@ def sweep(w: GPUQuantWeight, x: torch.Tensor, ids: torch.Tensor, label: str) -> 
 
 
 def dense(shapes: list[tuple[str, int, int, Q]], tokens: list[int], dev: torch.device) -> None:
-    """Dense products at decode row counts: `_qmv` against bounded dequantized slices into cuBLAS, and which
-    one `qmatmul` takes (QMV_MAX_ROWS_PAST_L2 for a weight past L2)."""
-    print(f"{'shape':>8} {'N x K':>14} {'type':>5} {'rows':>4} {'qmv us':>8} {'cuBLAS us':>9}  picked")
-    rule = qlinear.QMV_MAX_ROWS_PAST_L2
+    """Dense products at decode row counts by each of `qmatmul`'s kernels (`_qmv`, one tile of `_grouped_qmm` up
+    to GQMM_MAX_BM rows, bounded dequantized slices into cuBLAS), and the one `qmatmul` takes."""
+    kernels = list(qlinear.DENSE_PRODUCTS)
+    print(f"{'shape':>8} {'N x K':>14} {'type':>5} {'rows':>4} " + " ".join(f"{k + ' us':>10}" for k in kernels)
+          + "  picked")  # fmt: skip
     for name, n, k, qtype in shapes:
         w = _random_weight(qtype, (n, k), dev)
         for t in tokens:
             x = torch.randn(t, k, device=dev, dtype=torch.float32)
-            times = {}
-            for kernel, past_l2_rows in (("qmv", qlinear.QMV_MAX_ROWS), ("cublas", 0)):
-                qlinear.QMV_MAX_ROWS_PAST_L2 = past_l2_rows
-                times[kernel] = _time_us(functools.partial(qlinear.qmatmul, x, w)) if t > 1 or kernel == "qmv" else None
-            qlinear.QMV_MAX_ROWS_PAST_L2 = rule
-            picked = "cublas" if t > qlinear.QMV_MAX_ROWS or (t > rule and qlinear._past_l2(w)) else "qmv"
-            cublas = f"{times['cublas']:9.1f}" if times["cublas"] is not None else f"{'-':>9}"
-            print(f"{name:>8} {f'{n}x{k}':>14} {qtype.name:>5} {t:4d} {times['qmv']:8.1f} {cublas}  {picked}")
+            cells = []
+            for kernel, product in qlinear.DENSE_PRODUCTS.items():
+                fits = kernel != "grouped" or t <= qlinear.GQMM_MAX_BM
+                us = _time_us(functools.partial(product, x, w, False)) if fits else None
+                cells.append(f"{us:10.1f}" if us is not None else f"{'-':>10}")
+            picked = qlinear.dense_kernel(t, w)
+            print(f"{name:>8} {f'{n}x{k}':>14} {qtype.name:>5} {t:4d} {' '.join(cells)}  {picked}")
 
 
 def _random_weight(qtype: Q, shape: tuple[int, ...], dev: torch.device) -> GPUQuantWeight:
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=None, help="default: the model's")
     p.add_argument("--active", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="_qmv alone at each launch configuration")
-    p.add_argument("--dense", action="store_true", help="also the dense products (output head) by either kernel")
+    p.add_argument("--dense", action="store_true", help="also the dense products (output head) by each kernel")
     args = p.parse_args()
     dev = torch.device("cuda")
     if args.dense:

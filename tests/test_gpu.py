@@ -46,6 +46,30 @@ def test_kernels_match_dequantized_reference(qtype: gguf.GGMLQuantizationType) -
         assert ((y - ref).norm() / ref.norm()).item() < 1e-5, (t, a)
 
 
+def test_output_head_past_l2_is_one_grouped_tile() -> None:
+    """A weight larger than the GPU's L2 (a 248k-row output head) from QMV_MAX_ROWS_PAST_L2 + 1 to GQMM_MAX_BM
+    rows is one tile of the grouped GEMM (its blocks read once, no float copy of them), and its product equals
+    the dequantized slices'."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from tandem.cuda import qlinear
+
+    qtype = gguf.GGMLQuantizationType.Q6_K
+    n, k = 248320, 2048
+    block, size = GGML_QUANT_SIZES[qtype]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    data = torch.randint(0, 256, (n * k // block * size,), dtype=torch.uint8, device="cuda", generator=g)
+    w = qlinear.GPUQuantWeight(data & 0x3B, qtype, (n, k))  # every byte pair below 2 as f16: finite scales
+    few, bm = qlinear.QMV_MAX_ROWS_PAST_L2, qlinear.GQMM_MAX_BM
+    kernels = {m: qlinear.dense_kernel(m, w) for m in (few, few + 1, bm, bm + 1)}
+    assert list(kernels.values()) == ["qmv", "grouped", "grouped", "sliced"], kernels
+    for m in (few + 1, 16, 33):
+        x = torch.randn(m, k, device="cuda")
+        got = qlinear.qmatmul(x, w, ieee=True).double()
+        ref = qlinear.DENSE_PRODUCTS["sliced"](x, w, True).double()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, m
+
+
 PLACEMENTS = {
     "cpu": {"device": "cpu"},
     "all-gpu": {"device": "cuda"},

@@ -172,3 +172,34 @@ def test_autotune_timing_is_the_gpus_alone() -> None:
         stop.set()
         thread.join()
     assert busy < 1.25 * t_full, (busy, t_full)
+
+
+def test_autotune_timing_beside_another_threads_cuda_calls() -> None:
+    """A host op of an eager step (ggml's experts, their copies) makes CUDA calls from another thread while a
+    kernel met for the first time is tuned: each timing still returns, and the graph timing stays the rule for
+    the next ones (a capture another thread's call broke is tried again, then that one candidate is timed by
+    Triton's benchmark)."""
+    import threading
+
+    from tandem.cuda import autotune
+
+    src = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    stop = threading.Event()
+
+    def host_op() -> None:
+        side = torch.cuda.Stream()
+        while not stop.is_set():
+            with torch.cuda.stream(side):
+                torch.ones(1 << 16, device="cuda").sum().item()
+            torch.cuda.synchronize()
+
+    thread = threading.Thread(target=host_op)
+    thread.start()
+    try:
+        times = [autotune.graph_bench(lambda: dst.copy_(src)) for _ in range(5)]
+    finally:
+        stop.set()
+        thread.join()
+    assert all(isinstance(t, float) and t > 0 for t in times), times
+    assert not autotune._fallback

@@ -49,10 +49,11 @@ def test_plain_products(qtype: gguf.GGMLQuantizationType, monkeypatch: pytest.Mo
     assert _rel(qmatmul(x, w, ieee=True), x.double() @ ref_w.T) < REL_TOL
 
 
-def test_weight_past_l2_is_dequantized_past_a_few_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A weight larger than the GPU's L2 (an output head) goes to dequantized slices and cuBLAS from
-    QMV_MAX_ROWS_PAST_L2 + 1 rows (re-read from VRAM per row, `_qmv` costs more there); one that fits stays on
-    `_qmv` up to QMV_MAX_ROWS. Either way the product is the same."""
+def test_dense_products_by_rows_and_l2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight larger than the GPU's L2 (an output head) is one tile of the grouped GEMM from
+    QMV_MAX_ROWS_PAST_L2 + 1 rows to GQMM_MAX_BM (re-read from VRAM per row, `_qmv` costs more there; no float
+    copy of it), then dequantized slices into cuBLAS; one that fits stays on `_qmv` up to QMV_MAX_ROWS. Every
+    path gives the same product."""
     import tandem.cuda.qlinear as qlinear
 
     qtype = gguf.GGMLQuantizationType.Q6_K
@@ -60,17 +61,20 @@ def test_weight_past_l2_is_dequantized_past_a_few_rows(monkeypatch: pytest.Monke
     raw = random_blocks(qtype, (n, k), np.random.default_rng(7))
     ref_w = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
     w = GPUQuantWeight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (n, k))
-    slices: list[int] = []
-    dequantize = qlinear.dequantize_rows_gpu
-    monkeypatch.setattr(qlinear, "dequantize_rows_gpu", lambda *a: slices.append(a[2]) or dequantize(*a))
-    monkeypatch.setattr(qlinear, "GPU_DEQUANT_CHUNK_BYTES", 10 * k * 4)  # slices of 10 rows: 10, 10 and 4
-    few, more = qlinear.QMV_MAX_ROWS_PAST_L2, qlinear.QMV_MAX_ROWS_PAST_L2 + 1
-    for past_l2, m, expected in ((True, few, []), (True, more, [10, 10, 4]), (False, qlinear.QMV_MAX_ROWS, [])):
+    few, bm = qlinear.QMV_MAX_ROWS_PAST_L2, qlinear.GQMM_MAX_BM
+    expected = {
+        (True, few): "qmv", (True, few + 1): "grouped", (True, bm): "grouped", (True, bm + 1): "sliced",
+        (False, qlinear.QMV_MAX_ROWS): "qmv", (False, qlinear.QMV_MAX_ROWS + 1): "sliced",
+    }  # fmt: skip
+    for (past_l2, m), kernel in expected.items():
         monkeypatch.setattr(qlinear, "_past_l2", lambda _w, past_l2=past_l2: past_l2)
-        slices.clear()
+        assert qlinear.dense_kernel(m, w) == kernel, (past_l2, m)
         x = torch.randn(m, k)
         assert _rel(qmatmul(x, w, ieee=True), x.double() @ ref_w.T) < REL_TOL, (past_l2, m)
-        assert slices == expected, (past_l2, m)
+    for m in (1, 5, 17):  # the grouped tile pads to 16 and 32 rows
+        x = torch.randn(m, k)
+        for kernel, product in qlinear.DENSE_PRODUCTS.items():
+            assert _rel(product(x, w, True), x.double() @ ref_w.T) < REL_TOL, (kernel, m)
 
 
 def test_gemv_candidates_suit_the_type_and_k() -> None:

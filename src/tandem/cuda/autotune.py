@@ -22,6 +22,7 @@ _TARGET_MS = 10.0  # the repetitions of one replay
 _MAX_REPS = 100
 _REPLAYS = 2
 _fallback = False  # this torch cannot time events inside a graph: Triton's own benchmark
+_CAPTURE_TRIES = 3
 
 
 def _timed_graph(kernel_call: Callable[[], None], flush: torch.Tensor, reps: int) -> Callable[[], list[float]]:
@@ -52,12 +53,18 @@ def graph_bench(kernel_call: Callable[[], None], quantiles: Sequence[float] | No
     """Milliseconds per call of `kernel_call` (one launch, no host sync), at `quantiles` of the repetitions as
     Triton's do_bench returns them (their median when None)."""
     global _fallback
-    if not _fallback:
+    failed: RuntimeError | None = None
+    for _ in range(0 if _fallback else _CAPTURE_TRIES):
         try:
             return _graph_bench(kernel_call, quantiles)
-        except (TypeError, RuntimeError) as e:  # an older torch: no external events, or no timing of them
+        except TypeError as e:  # an older torch: no external events
             warnings.warn(f"autotuning times candidates by Triton's benchmark: {e}", stacklevel=2)
             _fallback = True
+            break
+        except RuntimeError as e:  # no timing of external events, or another thread's CUDA call (a step's host
+            failed = e  # op, overlapping the eager step that tunes) invalidated the capture: try again
+    if failed is not None:
+        warnings.warn(f"autotuning timed a candidate by Triton's benchmark: {failed}", stacklevel=2)
     return triton.testing.do_bench(kernel_call, quantiles=quantiles)
 
 

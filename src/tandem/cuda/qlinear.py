@@ -1,6 +1,7 @@
 """Products with GGUF weights kept as blocks in GPU memory.
 
-Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM. Prefill (many rows): a
+Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM (a weight past L2, the output head,
+past a few rows: one tile of `_grouped_qmm`, below). Prefill (many rows): a
 dense weight is dequantized into a transient float workspace and multiplied by cuBLAS; selected experts
 run `_grouped_qmm`, a grouped GEMM that dequantizes the blocks tile by tile in registers, over slots
 grouped by expert on the GPU (`_align_slots`): one launch per product and no host sync for experts in VRAM.
@@ -29,7 +30,7 @@ from tandem.quant.types import GPU_DEQUANT_CHUNK_BYTES, GPU_NATIVE_TYPES
 
 QMV_MAX_ROWS = 16  # up to this many rows, re-reading the blocks per row (from L2) beats dequantizing
 # ... but a weight larger than the GPU's L2 (an output head) is re-read from VRAM per row: past this many rows
-# its bounded dequantized slices into cuBLAS cost less (bench/expert_kernels.py --dense; docs/PERFORMANCE.md).
+# (and up to GQMM_MAX_BM) it is one tile of the grouped GEMM, read once (bench/expert_kernels.py --dense).
 QMV_MAX_ROWS_PAST_L2 = 4
 # Selected experts in VRAM, a decode step's tokens (at most 2 * QMV_MAX_ROWS): `_qmv` reads an expert's blocks
 # once per slot, `_grouped_qmm` once per tile of BM slots but decodes them into tensor-core tiles that are
@@ -101,22 +102,25 @@ def dequantize_rows_gpu(w: GPUQuantWeight, first_row: int, n_rows: int, dtype: t
     return out
 
 
+def dense_kernel(m: int, w: GPUQuantWeight) -> str:
+    """Which product `qmatmul` makes of m rows with w (`DENSE_PRODUCTS`): "qmv" reads the blocks once per row (a
+    few rows, or a weight the L2 holds for the next row); past QMV_MAX_ROWS_PAST_L2 rows of a weight larger than
+    L2 (an output head) "grouped" reads them once, as one expert's tile of `_grouped_qmm`, with no float copy;
+    "sliced" dequantizes bounded slices into cuBLAS (prefill)."""
+    past_l2 = _past_l2(w)
+    if m <= (QMV_MAX_ROWS_PAST_L2 if past_l2 else QMV_MAX_ROWS):
+        return "qmv"
+    return "grouped" if past_l2 and m <= GQMM_MAX_BM else "sliced"
+
+
 def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype."""
+    assert x.shape[1] == w.n_in, (x.shape, w.shape)
+    return DENSE_PRODUCTS[dense_kernel(x.shape[0], w)](_aligned(x), w, ieee)
+
+
+def _qmv_product(x: torch.Tensor, w: GPUQuantWeight, ieee: bool) -> torch.Tensor:
     m, k = x.shape
-    assert k == w.n_in, (x.shape, w.shape)
-    x = _aligned(x)
-    if m > QMV_MAX_ROWS or (m > QMV_MAX_ROWS_PAST_L2 and _past_l2(w)):  # a bounded slice at a time into cuBLAS
-        dtype = torch.float32 if ieee else torch.bfloat16
-        rows = max(1, GPU_DEQUANT_CHUNK_BYTES // (k * dtype.itemsize))
-        xd = x.to(dtype)
-        if rows >= w.n_out:  # one slice (most projections): cuBLAS's product is the result, no copy into one
-            return matmul_out(xd, dequantize_rows_gpu(w, 0, w.n_out, dtype).T, x.dtype)
-        y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
-        for r0 in range(0, w.n_out, rows):
-            n = min(rows, w.n_out - r0)
-            y[:, r0 : r0 + n] = matmul_out(xd, dequantize_rows_gpu(w, r0, n, dtype).T, x.dtype)
-        return y
     y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), m)  # noqa: E731
     qk._qmv[grid](
@@ -124,6 +128,46 @@ def qmatmul(x: torch.Tensor, w: GPUQuantWeight, ieee: bool = False) -> torch.Ten
         QT=int(w.qtype), HAS_IDS=False,
     )  # fmt: skip
     return y
+
+
+def _grouped_product(x: torch.Tensor, w: GPUQuantWeight, ieee: bool) -> torch.Tensor:
+    m, k = x.shape
+    assert m <= GQMM_MAX_BM, m
+    y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
+    if not ieee and x.dtype == torch.float32:  # bf16 operands anyway: every output tile re-reads x
+        x = x.to(torch.bfloat16)
+    bm = min(GQMM_MAX_BM, max(GQMM_MIN_BM, triton.next_power_of_2(m)))
+    tile_expert, slots = _one_tile(m, bm, x.device)
+    grid = lambda meta: (triton.cdiv(w.n_out, meta["BN"]), 1)  # noqa: E731
+    qk._grouped_qmm[grid](
+        w.data, x, y, tile_expert, slots, 0, 0, w.n_out, k, w.row_bytes, 0, 1, x.stride(0), y.stride(0),
+        IEEE=ieee, BM=bm, **_sub(w.qtype),
+    )  # fmt: skip
+    return y
+
+
+def _sliced_product(x: torch.Tensor, w: GPUQuantWeight, ieee: bool) -> torch.Tensor:
+    m, k = x.shape
+    dtype = torch.float32 if ieee else torch.bfloat16
+    rows = max(1, GPU_DEQUANT_CHUNK_BYTES // (k * dtype.itemsize))
+    xd = x.to(dtype)
+    if rows >= w.n_out:  # one slice (most projections): cuBLAS's product is the result, no copy into one
+        return matmul_out(xd, dequantize_rows_gpu(w, 0, w.n_out, dtype).T, x.dtype)
+    y = torch.empty(m, w.n_out, dtype=x.dtype, device=x.device)
+    for r0 in range(0, w.n_out, rows):
+        n = min(rows, w.n_out - r0)
+        y[:, r0 : r0 + n] = matmul_out(xd, dequantize_rows_gpu(w, r0, n, dtype).T, x.dtype)
+    return y
+
+
+DENSE_PRODUCTS = {"qmv": _qmv_product, "grouped": _grouped_product, "sliced": _sliced_product}
+
+
+@functools.cache
+def _one_tile(m: int, bm: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_grouped_qmm`'s tile of a dense product: expert 0, rows 0..m-1 then padding (kept: captured steps read them)."""
+    slots = torch.arange(bm, dtype=torch.int32, device=device)
+    return torch.zeros(1, dtype=torch.int32, device=device), torch.where(slots < m, slots, -1)
 
 
 def qmatmul_id(
