@@ -187,12 +187,11 @@ def test_autotune_timing_beside_another_threads_cuda_calls() -> None:
     dst = torch.empty_like(src)
     stop = threading.Event()
 
-    def host_op() -> None:
+    def host_op() -> None:  # a copy to the device, a product and a copy back, on a stream of its own
         side = torch.cuda.Stream()
         while not stop.is_set():
             with torch.cuda.stream(side):
-                torch.ones(1 << 16, device="cuda").sum().item()
-            torch.cuda.synchronize()
+                torch.ones(1 << 16).to("cuda", non_blocking=True).sum().item()
 
     thread = threading.Thread(target=host_op)
     thread.start()
