@@ -46,8 +46,8 @@ from tandem.cuda.autotune import graph_bench
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
 
 # Decode GEMV shapes: rows per program (BN), superblocks of each row per loop step (SB) and warps, tuned per
-# (N, K, type) on first use; the choice is cached on disk (Triton's cache) for later processes. Small BN keeps
-# narrow products (N = 512) on hundreds of programs; large SB puts more warps along K. A thread takes
+# (N, K, type, tier of rows) on first use; the choice is cached on disk (Triton's cache) for later processes.
+# Small BN keeps narrow products (N = 512) on hundreds of programs; large SB puts more warps along K. A thread takes
 # BN * SB * 256 / (32 * warps) values per step; `qmv_configs` keeps, per type, the counts for which the
 # per-sub-block scale loads hold fewer elements than the program has threads (below that, Triton loads them
 # in the tile's own register layout; at or above it, it converts the whole tile through shared memory).

@@ -1,8 +1,8 @@
 """Products with GGUF weights kept as blocks in GPU memory.
 
 Decode (a few rows): `_qmv` reads the blocks once per row, straight from VRAM (a weight past L2, the output head,
-past a few rows: one tile of `_grouped_qmm`, below). Prefill (many rows): a
-dense weight is dequantized into a transient float workspace and multiplied by cuBLAS; selected experts
+past a few rows: one tile of `_grouped_qmm`, below). Prefill (many rows): a dense weight is dequantized into a
+transient float workspace and multiplied by cuBLAS; selected experts
 run `_grouped_qmm`, a grouped GEMM that dequantizes the blocks tile by tile in registers, over slots
 grouped by expert on the GPU (`_align_slots`): one launch per product and no host sync for experts in VRAM.
 A layer's gate, up and down products share one routing, so they share its grouping (`_aligned_slots`).
