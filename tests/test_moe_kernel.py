@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tandem.errors import TandemError
 from tandem.quant import moe_kernel
+from tandem.quant import native as native_build
 from tandem.quant.expert_ffn import ExpertFFN
 from tandem.quant.ggml_cpu import CPUKernels
 from tandem.quant.ggml_weights import GGMLWeight
@@ -103,7 +104,7 @@ def test_a_fused_gate_up_stack_is_read_as_gate_rows_then_up_rows() -> None:
     close_to_ggml(native(ffn, x, ids, w, threads=1), ref)
 
 
-@pytest.mark.skipif(moe_kernel.compiler() is None, reason="no C compiler")
+@pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler")
 @pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_K)])
 def test_the_portable_build_computes_the_same_integers(tmp_path: Path, types: tuple[Q, Q, Q]) -> None:
     """Built without AVX-512 (plain C: the integers written out one by one, the reference the vector code is checked
@@ -166,7 +167,7 @@ def test_the_library_is_built_once_into_the_cache() -> None:
     lib, why = moe_kernel._library()
     assert lib is not None and why == ""
     path = Path(lib._name)
-    assert path.parent == moe_kernel._cache_dir() and path.name.startswith("moe_experts-")
+    assert path.parent == native_build.cache_dir() and path.name.startswith("moe_experts-")
     assert moe_kernel.load(path).moe_experts_simd() == 1
 
 

@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +30,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tandem.errors import TandemError
+from tandem.quant import native
 
 log = logging.getLogger(__name__)
 
@@ -48,46 +45,13 @@ MAX_TOKENS_PER_EXPERT = 8
 MIN_TOKENS = 2
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "native"
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "flags") and key not in fields:
-            fields[key] = value.strip()
-    return f"{platform.machine()} {fields.get('model name', '')} {fields.get('flags', '')}"
-
-
-def compiler() -> str | None:
-    """The C compiler to build with: $CC, else cc or gcc on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 def compile_library(out: Path, march: str = "native") -> None:
-    """Build moe_experts.c into out for -march=`march` (written beside, then renamed: a process loading it meanwhile
-    never sees half a file). Raises OSError with the compiler's last line."""
-    cc = compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc) found")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        cmd = [cc, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-o", str(part), str(SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            raise OSError(f"{cc} failed on {SOURCE.name}: {last}")
-        os.replace(part, out)
+    """Build moe_experts.c into out for -march=`march`. Raises OSError with the compiler's last line."""
+    native.compile_library(SOURCE, out, _flags(march))
+
+
+def _flags(march: str) -> list[str]:
+    return ["-O3", f"-march={march}", "-fopenmp"]
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -117,18 +81,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     """The kernel built for this machine and '', or None and why not."""
     if setting() == "ggml":
         return None, f"{ENV}={os.environ[ENV].strip().lower()}"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, "built on x86-64 Linux only"
-    cc = compiler()
-    if cc is None:
-        return None, "no C compiler (cc) found"
+    why = native.unsupported_platform()
+    if why is not None:
+        return None, why
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_identity().encode()).hexdigest()[:16]
-        path = _cache_dir() / f"moe_experts-{key}.so"
-        if not path.exists():
-            compile_library(path)
-            log.debug("built %s into %s", SOURCE.name, path)
+        path = native.built(SOURCE, _flags("native"))
         lib = load(path)
     except (OSError, subprocess.SubprocessError) as e:
         log.debug("tandem's MoE kernel is not used: %s", e)
