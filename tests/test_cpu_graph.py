@@ -413,6 +413,6 @@ def test_a_long_prompt_step_builds_past_a_fixed_graph_size(tiny_qwen3moe_gguf: t
     with tandem.LLM(Path(tiny_qwen3moe_gguf[1]), device="cpu", n_ctx=30_720, threads=2, n_batch=30_000) as llm:
         graph = _graphs(llm)
         key = step.step_key([(0, 0, [5] * 30_000)], step.layer_windows(llm.model))
-        program = decoder.build_step(llm.model, graph.caches, key, graph.experts)
+        program = decoder.build_step(llm.model, graph.caches, key, graph.experts, graph.runner.kernels.n_threads)
         nodes = ggml.ggml_graph_n_nodes(program.program.graph)
     assert nodes > 8192, nodes

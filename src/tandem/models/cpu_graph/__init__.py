@@ -94,7 +94,7 @@ class StepGraph:
         key = step_key(pieces, self.kinds, all_logits, self.flash, self.rings)
         step = self._programs.get(key)
         if step is None:
-            step = build_step(self.model, self.caches, key, self.experts)
+            step = build_step(self.model, self.caches, key, self.experts, self.runner.kernels.n_threads)
             self._programs[key] = step
             while len(self._programs) > _MAX_PROGRAMS:
                 self._programs.popitem(last=False)

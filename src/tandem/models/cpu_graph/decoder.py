@@ -46,6 +46,7 @@ from tandem.models.cpu_graph.step import (
     layer_windows,
 )
 from tandem.models.decoder import DecoderModel
+from tandem.quant import flash_decode
 from tandem.quant.expert_ffn import ExpertFFN, expert_ffn_nodes
 from tandem.quant.ggml_weights import GGMLWeight
 
@@ -76,12 +77,13 @@ class StepProgram:
 
 
 def build_step(
-    model: DecoderModel, caches: Sequence[CacheCopies | DeltaNetPool], key: StepKey, experts: Mapping[int, ExpertFFN]
-) -> StepProgram:
+    model: DecoderModel, caches: Sequence[CacheCopies | DeltaNetPool], key: StepKey, experts: Mapping[int, ExpertFFN],
+    n_threads: int,
+) -> StepProgram:  # fmt: skip
     """The program of one step shape (see the module docstring); `caches` holds each layer's state (an attention
     layer's cache as the graphs read it, a delta-net's pool), `experts` each MoE layer's experts as the graphs
-    multiply them, keyed by the id of its `MoE` (`StepGraph`)."""
-    return _StepBuilder(model, caches, key, experts).build()
+    multiply them, keyed by the id of its `MoE` (`StepGraph`); run with at most `n_threads` threads."""
+    return _StepBuilder(model, caches, key, experts, n_threads).build()
 
 
 class _StepBuilder:
@@ -91,8 +93,10 @@ class _StepBuilder:
         caches: Sequence[CacheCopies | DeltaNetPool],
         key: StepKey,
         experts: Mapping[int, ExpertFFN],
+        n_threads: int,
     ) -> None:
         self.model, self.caches, self.key, self.experts = model, caches, key, experts
+        self.n_threads = n_threads
         self.windows = layer_windows(model)
         windows = attention_kinds(model)
         n_layers, n_blocks = len(model.blocks), sum(len(s.blocks) for s in key.seqs)
@@ -304,7 +308,8 @@ class _StepBuilder:
                kq_scale: float, sinks: Tensor | None) -> Tensor:  # fmt: skip
         """A sequence's attention (its queries qs [Hd, N, H]) as llama.cpp's graph with flash attention builds it:
         one FLASH_ATTN_EXT node over its view of the keys and values where they lie (f16; an f32 cache's cast to
-        f16 first, as llama.cpp casts them), the f16 mask, the sinks in its denominator -> [Dv, H, N]."""
+        f16 first, as llama.cpp casts them), the f16 mask, the sinks in its denominator -> [Dv, H, N]. A decode
+        row over 512 keys or more takes tandem's kernel of the same bits where it runs (quant/flash_decode)."""
         ctx, c, s = self.ctx, self.caches[i], self.model.blocks[i].mixer.shape
         k_rows, v_rows, _ = self.cache_leaves[i]
         keys = self._rows_view(i, k_rows, s.head_dim, slot, first, n_keys, 1)
@@ -312,7 +317,11 @@ class _StepBuilder:
         if c.pool.k.dtype != torch.float16:
             keys = ggml.ggml_cast(ctx, keys, ggml.GGML_TYPE_F16)
             values = ggml.ggml_cast(ctx, values, ggml.GGML_TYPE_F16)
-        out = ggml.ggml_flash_attn_ext(ctx, qs, keys, values, self.masks[n_block][kind], float(kq_scale), 0.0, 0.0)
+        mask = self.masks[n_block][kind]
+        if flash_decode.takes(qs.contents.ne[1], n_keys, keys, values, s.n_heads, mask):
+            return flash_decode.attention(ctx, qs, keys, values, mask, float(kq_scale), sinks, self.n_threads,
+                                          self.b.keep)  # fmt: skip
+        out = ggml.ggml_flash_attn_ext(ctx, qs, keys, values, mask, float(kq_scale), 0.0, 0.0)
         if sinks is not None:
             ggml.ggml_flash_attn_ext_add_sinks(out, sinks)
         return out  # [Dv, H, N]

@@ -98,7 +98,7 @@ class GraphBuilder:
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
-        self._keep: list[object] = []
+        self.keep: list[object] = []  # what the leaves and nodes point at (buffers, weights, op parameters)
         self._weights: dict[int, Tensor] = {}
         self._scratch: list[ggml.ggml_tensor] = []  # tensors of no op that the allocator places
         self._graph = ggml.ggml_new_graph_custom(self.ctx, n_tensors, False)
@@ -112,7 +112,7 @@ class GraphBuilder:
         tensor.contents.data = ptr
         ggml.ggml_set_input(tensor)
         if keep is not None:
-            self._keep.append(keep)
+            self.keep.append(keep)
         return tensor
 
     def array(self, array: np.ndarray) -> Tensor:
@@ -139,7 +139,7 @@ class GraphBuilder:
             point_weight(tensor.contents, w)
             ggml.ggml_set_input(tensor)
             self._weights[id(w)] = tensor
-            self._keep.append(w)
+            self.keep.append(w)
         return tensor
 
     def scratch(self, gtype: int, ne: Sequence[int]) -> Tensor:
@@ -159,14 +159,14 @@ class GraphBuilder:
         assert t.is_contiguous() and t.dtype is torch.float32 and _strip(tuple(t.shape)[::-1]) == _ne(tensor)
         tensor.contents.data = t.data_ptr()
         ggml.ggml_set_output(tensor)
-        self._keep.append(t)
+        self.keep.append(t)
         self.expand(tensor)
 
     def finish(self) -> GraphProgram:
         graph = self._graph
         nodes = [ggml.ggml_graph_node(graph, i).contents for i in range(ggml.ggml_graph_n_nodes(graph))]
         owned = [node for node in nodes if not node.data]  # set now: leaves, outputs, views of those
-        program = GraphProgram(self.ctx, graph, owned + self._scratch, self._keep)
+        program = GraphProgram(self.ctx, graph, owned + self._scratch, self.keep)
         self.ctx = 0
         return program
 
