@@ -16,7 +16,9 @@ from tandem.errors import TandemError
 from tandem.models.cpu_graph import FLASH_ENV
 from tandem.quant import flash_decode
 
-kernel_here = pytest.mark.skipif(not flash_decode.available()[0], reason=f"not used here: {flash_decode.available()[1]}")
+kernel_here = pytest.mark.skipif(
+    not flash_decode.available()[0], reason=f"not used here: {flash_decode.available()[1]}"
+)
 
 
 class Case:
