@@ -21,6 +21,7 @@ from tandem.models.cpu_graph.decoder import StepProgram, build_step
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
 from tandem.models.cpu_graph.step import CacheCopies, Pieces, StepKey, attention_kinds, sliding_ring, step_key
 from tandem.models.decoder import DecoderModel
+from tandem.quant import flash_decode
 from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
@@ -69,6 +70,8 @@ class StepGraph:
         self.experts = {id(r): r.experts._graph[1] for r in routed_branches(model)}
         self.runner = GraphRunner(kernels)
         self.flash = flash_attention(pool)
+        if self.flash:  # at load: a bad TANDEM_CPU_FLASH_KERNEL is an error here, and the kernel is built here
+            flash_decode.available()
         self.rings = [sliding_ring(w, pool.n_ctx, pool.n_batch) for w in self.kinds]
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 
