@@ -19,24 +19,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
-import subprocess
 from pathlib import Path
 
 import ggml
 import numpy as np
 
-from tandem.errors import TandemError
 from tandem.quant import native
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("flash_decode.c")
 ENV = "TANDEM_CPU_FLASH_KERNEL"  # "auto" (default): where it takes the shape; "ggml" ("off", "0"): never
 MIN_KEYS = 512  # ggml's split-KV path for one query row starts here (ops.cpp)
 MAX_D, MAX_GROUP = 512, 32  # flash_decode.c's buffers
-_FLAGS = ("-O3", "-march=native", "-mno-avx512fp16")
+_FLAGS = ("-O3", "-march=native")
 
 Tensor = ggml.ggml_tensor_p
 _TensorArray = ctypes.POINTER(ggml.ggml_tensor)
@@ -44,12 +38,7 @@ _TensorArray = ctypes.POINTER(ggml.ggml_tensor)
 
 def setting() -> str:
     """TANDEM_CPU_FLASH_KERNEL as "auto" or "ggml"; TandemError for a value it does not know."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value in ("ggml", "off", "0"):
-        return "ggml"
-    if value != "auto":
-        raise TandemError(f"{ENV}={value!r}: expected auto (the default) or ggml (off, 0)")
-    return value
+    return native.setting(ENV)
 
 
 def _layout_matches(lib: ctypes.CDLL) -> bool:
@@ -64,18 +53,11 @@ def _layout_matches(lib: ctypes.CDLL) -> bool:
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """The kernel built for this machine and '', or None and why not."""
-    if setting() == "ggml":
-        return None, f"{ENV}={os.environ[ENV].strip().lower()}"
-    why = native.unsupported_platform()
-    if why is not None:
-        return None, why
-    if not ggml.ggml_cpu_has_avx512():
+    if setting() == "auto" and not ggml.ggml_cpu_has_avx512():
         return None, "the CPU has no AVX-512F"
-    try:
-        lib = ctypes.CDLL(str(native.built(SOURCE, _FLAGS)))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.debug("tandem's CPU flash kernel is not used: %s", e)
-        return None, str(e)
+    lib, why = native.library(ENV, SOURCE, _FLAGS)
+    if lib is None:
+        return None, why
     if not _layout_matches(lib):
         return None, "ggml's tensor header differs from the one flash_decode.c was written for"
     if not _agrees_with_ggml(lib):

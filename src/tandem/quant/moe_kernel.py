@@ -20,19 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
 
-from tandem.errors import TandemError
 from tandem.quant import native
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("moe_experts.c")
 ENV = "TANDEM_MOE_KERNEL"  # "auto" (default): where it takes an FFN; "ggml" ("off", "0"): never
@@ -54,9 +48,10 @@ def _flags(march: str) -> list[str]:
     return ["-O3", f"-march={march}", "-fopenmp"]
 
 
-def load(path: Path) -> ctypes.CDLL:
-    """The built library at path, its functions typed."""
-    lib = ctypes.CDLL(str(path))
+def load(lib: ctypes.CDLL | Path) -> ctypes.CDLL:
+    """The built library (or the one at a path), its functions typed."""
+    if isinstance(lib, Path):
+        lib = ctypes.CDLL(str(lib))
     pointer, number = ctypes.c_void_p, ctypes.c_int
     lib.moe_experts_scratch_bytes.restype = ctypes.c_size_t
     lib.moe_experts_scratch_bytes.argtypes = [number] * 6
@@ -68,28 +63,16 @@ def load(path: Path) -> ctypes.CDLL:
 
 def setting() -> str:
     """TANDEM_MOE_KERNEL as "auto" or "ggml"; TandemError for a value it does not know."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value in ("ggml", "off", "0"):
-        return "ggml"
-    if value != "auto":
-        raise TandemError(f"{ENV}={value!r}: expected auto (the default) or ggml (off, 0)")
-    return value
+    return native.setting(ENV)
 
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """The kernel built for this machine and '', or None and why not."""
-    if setting() == "ggml":
-        return None, f"{ENV}={os.environ[ENV].strip().lower()}"
-    why = native.unsupported_platform()
-    if why is not None:
+    lib, why = native.library(ENV, SOURCE, _flags("native"))
+    if lib is None:
         return None, why
-    try:
-        path = native.built(SOURCE, _flags("native"))
-        lib = load(path)
-    except (OSError, subprocess.SubprocessError) as e:
-        log.debug("tandem's MoE kernel is not used: %s", e)
-        return None, str(e)
+    load(lib)
     if not lib.moe_experts_simd():
         return None, "the CPU has no AVX-512BW (the kernel's portable path is slower than ggml)"
     return lib, ""

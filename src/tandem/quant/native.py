@@ -7,7 +7,9 @@ process never loads one made for another CPU.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -15,6 +17,10 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from tandem.errors import TandemError
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -40,6 +46,17 @@ def cpu_identity() -> str:
 def compiler() -> str | None:
     """The C compiler to build with: $CC, else cc or gcc on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def setting(env: str) -> str:
+    """A kernel's switch, the environment variable env, as "auto" (unset: the kernel where it takes the work) or
+    "ggml" ("off", "0": never); TandemError for a value it does not know."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value in ("ggml", "off", "0"):
+        return "ggml"
+    if value != "auto":
+        raise TandemError(f"{env}={value!r}: expected auto (the default) or ggml (off, 0)")
+    return value
 
 
 def unsupported_platform() -> str | None:
@@ -80,3 +97,18 @@ def built(source: Path, flags: Sequence[str]) -> Path:
     if not path.exists():
         compile_library(source, path, flags)
     return path
+
+
+def library(env: str, source: Path, flags: Sequence[str]) -> tuple[ctypes.CDLL | None, str]:
+    """A kernel's library for this machine and '', or None and why not: switched off by env (TandemError for a value
+    it does not know), another platform, or no build."""
+    if setting(env) == "ggml":
+        return None, f"{env}={os.environ[env].strip().lower()}"
+    why = unsupported_platform()
+    if why is not None:
+        return None, why
+    try:
+        return ctypes.CDLL(str(built(source, flags))), ""
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("%s is not used: %s", source.name, e)
+        return None, str(e)
