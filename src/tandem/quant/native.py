@@ -1,4 +1,4 @@
-"""Building tandem's own C kernels (`moe_experts.c`, `flash_decode.c`) with the machine's C compiler, on first use.
+"""Building tandem's own C kernels (`moe_experts.c`, `flash_attention.c`) with the machine's C compiler, on first use.
 
 Each library is built for this CPU (-march=native) into ~/.cache/tandem/native (or $XDG_CACHE_HOME's), named by its
 source, its flags, the compiler's version and the CPU, so a new source, compiler or machine gets a new build and a

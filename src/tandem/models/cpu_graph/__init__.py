@@ -21,7 +21,7 @@ from tandem.models.cpu_graph.decoder import StepProgram, build_step
 from tandem.models.cpu_graph.ggml_graph import GraphRunner
 from tandem.models.cpu_graph.step import CacheCopies, Pieces, StepKey, attention_kinds, sliding_ring, step_key
 from tandem.models.decoder import DecoderModel
-from tandem.quant import flash_decode
+from tandem.quant import flash_attention as flash_kernel
 from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import KVPool
 from tandem.state.pool import StatePool
@@ -71,7 +71,7 @@ class StepGraph:
         self.runner = GraphRunner(kernels)
         self.flash = flash_attention(pool)
         if self.flash:  # at load: a bad TANDEM_CPU_FLASH_KERNEL is an error here, and the kernel is built here
-            flash_decode.available()
+            flash_kernel.available()
         self.rings = [sliding_ring(w, pool.n_ctx, pool.n_batch) for w in self.kinds]
         self._programs: OrderedDict[StepKey, StepProgram] = OrderedDict()
 

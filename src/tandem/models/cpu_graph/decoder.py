@@ -46,7 +46,7 @@ from tandem.models.cpu_graph.step import (
     layer_windows,
 )
 from tandem.models.decoder import DecoderModel
-from tandem.quant import flash_decode
+from tandem.quant import flash_attention as flash_kernel
 from tandem.quant.expert_ffn import ExpertFFN, expert_ffn_nodes
 from tandem.quant.ggml_weights import GGMLWeight
 
@@ -309,7 +309,8 @@ class _StepBuilder:
         """A sequence's attention (its queries qs [Hd, N, H]) as llama.cpp's graph with flash attention builds it:
         one FLASH_ATTN_EXT node over its view of the keys and values where they lie (f16; an f32 cache's cast to
         f16 first, as llama.cpp casts them), the f16 mask, the sinks in its denominator -> [Dv, H, N]. A decode
-        row over 512 keys or more takes tandem's kernel of the same bits where it runs (quant/flash_decode)."""
+        row over 512 keys or more, or 64 rows and more, take tandem's kernel of the same bits where it runs
+        (quant/flash_attention)."""
         ctx, c, s = self.ctx, self.caches[i], self.model.blocks[i].mixer.shape
         k_rows, v_rows, _ = self.cache_leaves[i]
         keys = self._rows_view(i, k_rows, s.head_dim, slot, first, n_keys, 1)
@@ -318,8 +319,8 @@ class _StepBuilder:
             keys = ggml.ggml_cast(ctx, keys, ggml.GGML_TYPE_F16)
             values = ggml.ggml_cast(ctx, values, ggml.GGML_TYPE_F16)
         mask = self.masks[n_block][kind]
-        if flash_decode.takes(qs.contents.ne[1], n_keys, keys, values, s.n_heads, mask):
-            return flash_decode.attention(ctx, qs, keys, values, mask, float(kq_scale), sinks, self.n_threads,
+        if flash_kernel.takes(qs.contents.ne[1], n_keys, keys, values, s.n_heads, mask):
+            return flash_kernel.attention(ctx, qs, keys, values, mask, float(kq_scale), sinks, self.n_threads,
                                           self.b.keep)  # fmt: skip
         out = ggml.ggml_flash_attn_ext(ctx, qs, keys, values, mask, float(kq_scale), 0.0, 0.0)
         if sinks is not None:
