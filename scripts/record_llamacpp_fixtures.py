@@ -3,6 +3,7 @@
 
 Build the peer first:  scripts/build_llamacpp.sh   (CPU build into $HOME/.cache/tandem/peers/llama_cpp_cpu)
 Then:                  python scripts/record_llamacpp_fixtures.py [--model PATH] [--lib DIR] [--out PATH]
+                       python scripts/record_llamacpp_fixtures.py --flash-attn --long 600,1000   (long prompts)
 
 Writes tests/fixtures/gemma3_270m_llamacpp.json (recorded on an AVX-512 VNNI CPU; on an AVX2 CPU without AVX-512 pass
 --out tests/fixtures/gemma3_270m_llamacpp_avx2.json: tests/test_real_gemma3.py reads the set of the CPU it runs on) with
@@ -11,6 +12,12 @@ Writes tests/fixtures/gemma3_270m_llamacpp.json (recorded on an AVX-512 VNNI CPU
             llm.eval + llama_get_logits_ith(ctx, -1) (no sampler, no repeat penalty, no stop on EOS)
   logits:   [{prompt, prompt_ids, top50: [[id, logit]], fixed_ids, fixed_logits}] for the last position
   meta:     versions, date, model sha256, threads, how the greedy tokens were taken
+--long N,...: instead, the last position's logits after random prompts of N tokens each (BOS + ids drawn with numpy's
+generator seeded by N), prefill only, into tests/fixtures/gemma3_270m_llamacpp_fa_long.json with --flash-attn: prompt
+chunks of 64 rows and more (llama.cpp's n_batch 512: 512 then the rest), ggml's tiled attention, which computes in
+float32 on every x86 build (the decode after it would add values in f16 lanes on a CPU with AVX512-FP16 in a native
+build: not recorded). N up to 1,024: past the sliding-window layers' ring (window and -ub) llama.cpp reads its
+cells in another order.
 """
 
 from __future__ import annotations
@@ -110,7 +117,11 @@ def main() -> int:
     ap.add_argument("--flash-attn", action="store_true",
                     help="llama.cpp's flash attention (its CPU default, -fa auto) instead of the Python class's off: "
                          "record to tests/fixtures/gemma3_270m_llamacpp_fa.json")  # fmt: skip
+    ap.add_argument("--long", default="", help="prompt lengths: record only long prompts' last logits (see above)")
     args = ap.parse_args()
+    if args.long and args.out == DEFAULT_OUT:
+        args.out = os.path.join(FIXTURES_DIR, "gemma3_270m_llamacpp_fa_long.json" if args.flash_attn
+                                else "gemma3_270m_llamacpp_long.json")  # fmt: skip
 
     llama_cpp = import_llama_cpp(args.lib)  # before numpy: numpy first made its loader segfault in print_info
     import numpy as np
@@ -132,6 +143,9 @@ def main() -> int:
 
     def tok(text: str, add_special: bool) -> list[int]:
         return [int(t) for t in llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)]
+
+    if args.long:
+        return record_long(args, llm, llama_cpp, [int(n) for n in args.long.split(",")])
 
     tokenize = []
     for i, text in enumerate(TOKENIZE_TEXTS):
@@ -238,6 +252,37 @@ def main() -> int:
         f"{len(logits)} logits, {os.path.getsize(args.out)} bytes",
         file=sys.stderr,
     )
+    return 0
+
+
+def record_long(args: argparse.Namespace, llm, llama_cpp, lengths: list[int]) -> int:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    n_vocab = llm.n_vocab()
+    cases = []
+    for n in lengths:
+        ids = [int(llm.token_bos())] + [int(i) for i in np.random.default_rng(n).integers(100, 200000, n - 1)]
+        llm.reset()
+        llm.eval(ids)
+        lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).copy()
+        top = np.argsort(-lg, kind="stable")[:TOP_K]
+        cases.append({"prompt_ids": ids, "top50": [[int(i), float(lg[i])] for i in top]})
+        print(f"long prompt of {n} tokens: top {int(top[0])} at {float(lg[top[0]]):.4f}", file=sys.stderr)
+    meta = {
+        "llama_cpp_python": llama_cpp.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": os.path.basename(args.model),
+        "model_sha256": sha256_file(args.model),
+        "flash_attn": args.flash_attn,
+        "n_threads": args.threads,
+        "n_batch": llm.n_batch,
+        "machine": platform.machine(),
+        "logits_note": "last-position logits (float32) after llm.eval(BOS + random ids) in chunks of n_batch",
+    }
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "long": cases}, f, indent=1)
+        f.write("\n")
+    print(f"wrote {args.out}: {len(cases)} long prompts", file=sys.stderr)
     return 0
 
 

@@ -215,3 +215,28 @@ def test_flash_attention_is_llamacpp_default_bit_for_bit(gemma_flash: tandem.LLM
         assert all(float(ours[token]) == logit for token, logit in case["top50"])
     plain = json.loads(FIXTURE.read_text())
     assert sum(a["tokens"] != b["tokens"] for a, b in zip(plain["greedy"], fixture["greedy"], strict=True)) >= 1
+
+
+LONG_FIXTURE = FIXTURES / "gemma3_270m_llamacpp_fa_long.json"  # prompts of 600 and 1,000 tokens, flash attention
+
+
+@pytest.mark.skipif(RECORDED != "", reason="llama.cpp's fixture holds the last bits of its AVX-512 VNNI build; this "
+                    "CPU runs other kernel variants of both engines")  # fmt: skip
+def test_long_prompts_are_llamacpp_default_bit_for_bit() -> None:
+    """Prompts of 600 and 1,000 random tokens read in chunks of 512 rows, as llama.cpp's n_batch reads them, with
+    flash attention (llama.cpp's CPU default and tandem's): the last position's 50 largest logits are the bits
+    llama.cpp computed. Chunks of 64 rows and more take ggml's tiled attention there and tandem's kernel here
+    (quant/flash_attention), float32 on every x86 build (scripts/record_llamacpp_fixtures.py --long)."""
+    fixture = json.loads(LONG_FIXTURE.read_text())
+    assert fixture["meta"]["flash_attn"] is True and fixture["meta"]["n_batch"] == 512
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(FLASH_ENV, raising=False)
+        llm = tandem.LLM(default_model_path(), n_ctx=2048, threads=2)
+    try:
+        assert llm.engine.n_batch == 512
+        for case in fixture["long"]:
+            llm.engine.reset()
+            ours = llm.logits(case["prompt_ids"])[-1]
+            assert all(float(ours[token]) == logit for token, logit in case["top50"]), len(case["prompt_ids"])
+    finally:
+        llm.close()
