@@ -253,7 +253,7 @@ void flash_prefill(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     while (parts < per && groups * tiles * parts < 2 * nth) parts *= 2;
     if (per % parts) parts = 1;
     const int64_t units = groups * tiles * parts, heads_per_part = per / parts;
-    const size_t floats = dk * TILE + 2 * TILE * dv + TILE * dk + 2 * TILE * TILE + heads_per_part * TILE * (dv + 2);
+    const size_t floats = dk * TILE + TILE * dv + 2 * TILE * TILE + heads_per_part * TILE * (dv + 2);
     float *scratch = aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
     if (!scratch) {  // out of memory: NaN, not stale values
         for (int64_t i = 0; i < rows; i++)
@@ -265,8 +265,7 @@ void flash_prefill(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     }
     float *kt = scratch;                      // a tile of keys, transposed [Dk][64]
     float *vt = kt + dk * TILE;               // its values [64][Dv]
-    float *qt = vt + TILE * dv;               // one head's query rows [64][Dk]
-    float *kq = qt + TILE * dk;               // their scores, then probabilities [64][64]
+    float *kq = vt + TILE * dv;               // one head's scores, then probabilities [64][64]
     float *mk = kq + TILE * TILE;             // the mask's tile [64][64]
     float *accs = mk + TILE * TILE;           // per query head of the unit: the weighted values [64][Dv]
     float *Ms = accs + heads_per_part * TILE * dv, *Ss = Ms + heads_per_part * TILE;
@@ -308,10 +307,10 @@ void flash_prefill(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
             }
             for (int64_t hj = 0; hj < heads_per_part; hj++) {
                 const int64_t h = h0 + hj;
-                for (int64_t i = 0; i < tr; i++)
-                    memcpy(qt + i * dk, (const char *)q->data + (r0 + i) * q->nb[1] + h * q->nb[2], dk * sizeof(float));
+                // the head's query rows where they lie (rows nb[1] apart: a multiple of the float's size)
+                const float *qh = (const float *)((const char *)q->data + r0 * q->nb[1] + h * q->nb[2]);
                 memset(kq, 0, tr * TILE * sizeof(float));
-                gemm(kq, TILE, qt, (int)dk, kt, TILE, (int)tr, (int)dk, TILE);
+                gemm(kq, TILE, qh, (int)(q->nb[1] / sizeof(float)), kt, TILE, (int)tr, (int)dk, TILE);
                 const __m512 sv = _mm512_set1_ps(scale);
                 for (int64_t i = 0; i < tr; i++) {
                     float *row = kq + i * TILE;
