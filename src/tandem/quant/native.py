@@ -59,15 +59,6 @@ def setting(env: str) -> str:
     return value
 
 
-def unsupported_platform() -> str | None:
-    """Why this machine builds none of the kernels, or None."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return "built on x86-64 Linux only"
-    if compiler() is None:
-        return "no C compiler (cc) found"
-    return None
-
-
 def compile_library(source: Path, out: Path, flags: Sequence[str]) -> None:
     """Build source into the shared library out with flags (written beside, then renamed: a process loading it
     meanwhile never sees half a file). Raises OSError with the compiler's last line."""
@@ -104,10 +95,9 @@ def library(env: str, source: Path, flags: Sequence[str]) -> tuple[ctypes.CDLL |
     it does not know), another platform, or no build."""
     if setting(env) == "ggml":
         return None, f"{env}={os.environ[env].strip().lower()}"
-    why = unsupported_platform()
-    if why is not None:
-        return None, why
-    try:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, "built on x86-64 Linux only"
+    try:  # no compiler: built() says so
         return ctypes.CDLL(str(built(source, flags))), ""
     except (OSError, subprocess.SubprocessError) as e:
         log.debug("%s is not used: %s", source.name, e)
