@@ -33,7 +33,7 @@ from tandem.errors import TandemError
 from tandem.layers.linear import Linear
 from tandem.layers.norm import rms_norm
 from tandem.quant.ggml_ops import ggml_gated_delta_rule
-from tandem.state.batch import PaddedSpans, RecurrentSpans, RowSpans, SeqSpan, StepBatch
+from tandem.state.batch import StepBatch
 from tandem.state.kv_cache import StateOrderError
 
 CHUNK_SIZE = 64  # transformers' and llama.cpp's chunk length for the gated delta rule
@@ -297,71 +297,16 @@ class GatedDeltaNet:
         if batch.pooled and not batch.decode:
             o = self._pooled_chunk(qkv, b, a, pool, batch)
         else:
+            outs = []
             for span in batch.spans:
-                if span.start != pool.slot(span.slot).length:
-                    length = pool.slot(span.slot).length
-                    raise StateOrderError(f"delta-net state holds {length} positions, not {span.start}")
-            if qkv.is_cuda and len(batch.spans) > 1:  # a GPU step of several sequences: a few launches for all
-                return self.out(self._side_by_side(x, qkv, b, a, batch, pool))
-            outs = [self._rule(qkv[p.rows], b[p.rows], a[p.rows], pool.slot(p.slot), p.n) for p in batch.spans]
+                state, rows = pool.slot(span.slot), span.rows
+                if span.start != state.length:
+                    raise StateOrderError(f"delta-net state holds {state.length} positions, not {span.start}")
+                outs.append(self._rule(qkv[rows], b[rows], a[rows], state, span.n))
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
         z = self.gate(x).view(t, s.n_v_heads, s.head_v_dim)
         o = rms_norm(o, self.norm, self.eps) * F.silu(z.float())  # [T, Hv, Dv]
         return self.out(o.reshape(t, s.value_dim).to(x.dtype))
-
-    def _side_by_side(
-        self, x: torch.Tensor, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, batch: StepBatch, pool: DeltaNetPool
-    ) -> torch.Tensor:
-        """A GPU step of several sequences (prompt chunks, with or without one-token sequences beside them): the
-        one-token ones by the pooled decode step's kernels, the others side by side in groups (`_lanes_rule`),
-        instead of some forty launches per sequence. Returns the out projection's input [T, Hv*Dv]."""
-        from tandem.cuda.delta_net import gated_delta_step, step_fits
-
-        s = self.shape
-        spans = _recurrent_spans(batch, self.chunk_size, by_row=step_fits(s))
-        z = self.gate(x)
-        o = torch.empty(x.shape[0], s.value_dim, dtype=x.dtype, device=x.device)
-        if spans.by_row is not None:
-            rows, slots = spans.by_row.rows, spans.by_row.slots
-            o[rows] = gated_delta_step(
-                qkv[rows], z[rows], b[rows], a[rows], pool.conv, pool.ssm, self.conv_weight, self.dt_bias, self.a,
-                self.norm, s, self.eps, x.dtype, slots=slots,
-            )  # fmt: skip
-        for group in spans.groups:
-            rows = group.rows
-            heads = self._lanes_rule(qkv[rows], b[rows], a[rows], pool, group)  # [R, Hv, Dv]
-            gate = z[rows].view(heads.shape[0], s.n_v_heads, s.head_v_dim)
-            o[rows] = (rms_norm(heads, self.norm, self.eps) * F.silu(gate.float())).flatten(1).to(x.dtype)
-        return o
-
-    def _lanes_rule(
-        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, pool: DeltaNetPool, group: PaddedSpans
-    ) -> torch.Tensor:
-        """The conv and gated delta rule of a group's sequences at once, from their rows' qkv [R, C] and b, a
-        [R, Hv]: each sequence in a lane of its own, padded past its last row with zero inputs (its conv state is
-        taken at its own end; the rule's padded rows, k = v = beta = 0 and g = 0, leave its state as it was), the
-        lanes along the heads' axis of `chunked_gated_delta_rule`. Returns o [R, Hv, Dv]."""
-        s = self.shape
-        n_lanes, length, k1 = group.slots.shape[0], group.length, s.conv_kernel - 1
-        device = qkv.device
-        window = torch.zeros(n_lanes, k1 + length, s.conv_channels, device=device)
-        window[:, :k1] = pool.conv.index_select(0, group.slots)
-        window[group.span, k1 + group.position] = qkv.float()
-        last = group.lengths.unsqueeze(1) + torch.arange(k1, device=device)  # [S, K-1]: each lane's last inputs
-        pool.conv.index_copy_(0, group.slots, window[torch.arange(n_lanes, device=device).unsqueeze(1), last])
-        conv = F.conv1d(window.transpose(1, 2), self.conv_weight.unsqueeze(1), groups=s.conv_channels)  # [S, C, L]
-        q, k, v, g, beta = self._rule_inputs(F.silu(conv[group.span, :, group.position]), b, a)
-
-        def in_lanes(x: torch.Tensor) -> torch.Tensor:  # [R, Hv, ...] -> [L, S * Hv, ...], zeros past each end
-            lanes = x.new_zeros(length, n_lanes, *x.shape[1:])
-            lanes[group.position, group.span] = x
-            return lanes.flatten(1, 2)
-
-        state = pool.ssm.index_select(0, group.slots).flatten(0, 1)  # [S * Hv, Dk, Dv]
-        q = q * s.head_k_dim**-0.5
-        o = chunked_gated_delta_rule(*map(in_lanes, (q, k, v, g, beta)), state, self.chunk_size)
-        pool.ssm.index_copy_(0, group.slots, state.view(n_lanes, *pool.ssm.shape[1:]))
-        return o.view(length, n_lanes, s.n_v_heads, s.head_v_dim)[group.position, group.span]
 
     def _pooled_chunk(
         self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, pool: DeltaNetPool, batch: StepBatch
@@ -376,24 +321,16 @@ class GatedDeltaNet:
         pool.ssm.index_copy_(0, slot, state.ssm.unsqueeze(0))
         return o
 
-    def _rule_inputs(
-        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """From the activated conv output [T, C] and the beta/alpha projections [T, Hv]: q and k L2-normed per key
-        head and given to their value heads [T, Hv, Dk], v [T, Hv, Dv], the log decay g (<= 0) and beta [T, Hv]."""
-        s = self.shape
-        t = mixed.shape[0]
-        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        q = self._expand_heads(l2_normalize(q.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))
-        k = self._expand_heads(l2_normalize(k.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))
-        g = self.a * F.softplus(a.float() + self.dt_bias)
-        return q, k, v.reshape(t, s.n_v_heads, s.head_v_dim), g, torch.sigmoid(b.float())
-
     def _rule(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: DeltaNetState, t: int) -> torch.Tensor:
         """One sequence's conv and gated delta rule over its T rows, continuing `state` -> o [T, Hv, Dv]."""
         s = self.shape
         mixed = F.silu(causal_conv1d(qkv, state.conv, self.conv_weight))  # [T, C]
-        q, k, v, g, beta = self._rule_inputs(mixed, b, a)
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = self._expand_heads(l2_normalize(q.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))  # [T, Hv, Dk]
+        k = self._expand_heads(l2_normalize(k.reshape(t, s.n_k_heads, s.head_k_dim), self.eps))
+        v = v.reshape(t, s.n_v_heads, s.head_v_dim)  # [T, Hv, Dv]
+        beta = torch.sigmoid(b.float())
+        g = self.a * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
         ggml_layout = state.ssm.transpose(1, 2)
         if not q.is_cuda and s.head_k_dim == s.head_v_dim and ggml_layout.is_contiguous():
             # llama.cpp's fused CPU op: token by token in C, for a prompt too (torch's chunked form is slower on the
@@ -405,36 +342,3 @@ class GatedDeltaNet:
         if t == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
         return chunked_gated_delta_rule(q, k, v, g, beta, state.ssm, self.chunk_size)
-
-
-def _recurrent_spans(batch: StepBatch, chunk_size: int, by_row: bool) -> RecurrentSpans:
-    """How `batch`'s sequences go through the delta-net layers of a GPU step (`GatedDeltaNet._side_by_side`), made
-    by the first such layer and kept for the others (a model's delta-net layers share the chunk length and the
-    state's shape): with `by_row`, the one-token sequences row by row; the others in groups of 1, 2, 3-4, 5-8, ...
-    chunks, so that padding at most doubles a group's chunks. Its index tensors reach the device in one copy."""
-    if batch.recurrent_spans is None:
-        one_token = [p for p in batch.spans if by_row and p.n == 1]
-        groups: dict[int, list[SeqSpan]] = {}
-        for p in batch.spans:
-            if not (by_row and p.n == 1):
-                groups.setdefault((-(-p.n // chunk_size) - 1).bit_length(), []).append(p)
-        lists = [[p.offset for p in one_token], [p.slot for p in one_token]]
-        for _, group in sorted(groups.items()):
-            lists += [
-                [r for p in group for r in range(p.offset, p.offset + p.n)],
-                [i for i, p in enumerate(group) for _ in range(p.n)],
-                [r for p in group for r in range(p.n)],
-                [p.slot for p in group],
-                [p.n for p in group],
-            ]
-        flat = torch.tensor([v for values in lists for v in values], dtype=torch.long)
-        tensors = list(flat.to(batch.positions.device).split([len(values) for values in lists]))
-        by_rows = None
-        if one_token:
-            by_rows = RowSpans(frozenset(p.offset for p in one_token), tensors[0], tensors[1], False)
-        padded = [
-            PaddedSpans(*tensors[2 + 5 * i : 7 + 5 * i], length=max(p.n for p in group))
-            for i, (_, group) in enumerate(sorted(groups.items()))
-        ]
-        batch.recurrent_spans = RecurrentSpans(by_rows, tuple(padded))
-    return batch.recurrent_spans

@@ -37,31 +37,6 @@ class RowSpans:
     every_row: bool
 
 
-@dataclass(frozen=True)
-class PaddedSpans:
-    """Spans of a step laid side by side, each padded at its end to `length` rows (a delta-net layer's chunked
-    rule then runs every one at once, the spans along the heads' axis): `rows` [R] their rows of the step, `span`
-    and `position` [R] each row's span (0 .. S-1) and place in it, `slots` and `lengths` [S] each span's slot
-    and row count (device tensors, int64)."""
-
-    rows: torch.Tensor
-    span: torch.Tensor
-    position: torch.Tensor
-    slots: torch.Tensor
-    lengths: torch.Tensor
-    length: int
-
-
-@dataclass(frozen=True)
-class RecurrentSpans:
-    """How a step of several sequences runs its recurrent (delta-net) layers on a GPU: the one-token sequences
-    row by row (`by_row`, the pooled decode step's kernels), the others in `groups` of similar lengths, side by
-    side."""
-
-    by_row: RowSpans | None
-    groups: tuple[PaddedSpans, ...]
-
-
 @dataclass
 class StepBatch:
     """What the layers read about a step (they infer nothing from a tensor's length).
@@ -86,8 +61,6 @@ class StepBatch:
     # The spans whose rows attend one by one by slot, made by the first attention layer that asks and kept for
     # the step's other layers (layers/attention.py `_row_spans`).
     attention_rows: RowSpans | None = field(default=None, compare=False, repr=False)
-    # Likewise for the recurrent layers, made by the first delta-net layer (layers/delta_net.py `_recurrent_spans`).
-    recurrent_spans: RecurrentSpans | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_tokens(self) -> int:
