@@ -13,6 +13,9 @@
 #
 # Prepare here first:  bench/prepare_device.sh   (stages .peers/ and .whl/)
 # Device call:         run(command="bash bench/device_compare.sh", carry=[".whl", ".peers"], timeout_s=600)
+#   A call carries at most 64 MiB (the tree ~12 MB, .peers ~34 MB, .whl ~20 MB: together over it). Carry what the
+#   call runs: the GPU tests alone (LLAMA=0) need .whl (transformers) and .peers/llama_cpp_python-*.tar.xz (ggml-python
+#   is built from it); benches without HTTP need .peers and .whl less the server's wheels.
 #
 # Time (default: 2 models x 3 placements x 2 engines x 3 reps, pp 512, tg 128, in DEADLINE_S=570 s): the
 # build ends at about 200 s; the benches share what is left, each model an equal part of what remains when
