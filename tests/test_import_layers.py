@@ -15,7 +15,7 @@ FRONTENDS = {"api", "cli", "server", "bench", "fuzz"}
 # each stage: the packages it may not import (everything above it)
 ABOVE = {
     "gguf": {"placement", "weights", "layers", "models", "state", "runtime", "cuda", *FRONTENDS},
-    "quant": {"placement", "weights", "layers", "models", "state", "runtime", *FRONTENDS},
+    "quant": {"placement", "weights", "layers", "models", "state", "runtime", "cuda", *FRONTENDS},
     "state": {"placement", "weights", "layers", "models", "runtime", "cuda", *FRONTENDS},
     "layers": {"weights", "models", "runtime", *FRONTENDS},
     "cuda": {"weights", "models", "runtime", *FRONTENDS},
